@@ -1,0 +1,80 @@
+//! The crate's one error type. Every failure a user or a file can cause is a variant here,
+//! with enough structure to say what went wrong and where.
+
+use std::path::PathBuf;
+
+/// Errors from loading, tokenizing and running models.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path} is not a GGUF file: {reason}")]
+    NotGguf { path: PathBuf, reason: String },
+
+    #[error("GGUF file {path} is malformed: {reason}")]
+    BadGguf { path: PathBuf, reason: String },
+
+    #[error("tensor `{tensor}` has unknown or unsupported type {type_id}")]
+    UnknownTensorType { tensor: String, type_id: u32 },
+
+    #[error("model is missing tensor `{0}`")]
+    MissingTensor(String),
+
+    #[error("tensor `{tensor}` has shape {actual:?}, but the model metadata implies {expected:?}")]
+    ShapeMismatch {
+        tensor: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+
+    #[error("unsupported model architecture `{0}` (supported: {1})")]
+    UnknownArchitecture(String, String),
+
+    #[error("model metadata key `{key}`: {reason}")]
+    BadMetadata { key: String, reason: String },
+
+    #[error("invalid model config: {0}")]
+    BadConfig(String),
+
+    #[error("safetensors error in {path}: {reason}")]
+    Safetensors { path: PathBuf, reason: String },
+
+    #[error("tokenizer error: {0}")]
+    Tokenizer(String),
+
+    #[error("chat template error: {0}")]
+    ChatTemplate(String),
+
+    #[error("prompt is empty (it tokenizes to no tokens)")]
+    EmptyPrompt,
+
+    #[error("prompt has {prompt_tokens} tokens; with max_tokens = {max_tokens} it needs {needed}, but the context window is {context} tokens")]
+    PromptTooLong {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        needed: usize,
+        context: usize,
+    },
+
+    #[error("invalid request: {0}")]
+    BadRequest(String),
+
+    #[error("model fetch failed: {0}")]
+    Fetch(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
