@@ -1,0 +1,1 @@
+//! Attention over the paged KV layout (block tables), with grouped-query heads.

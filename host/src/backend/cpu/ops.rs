@@ -1,0 +1,1 @@
+//! Element-wise and row-wise kernels: RMSNorm, RoPE, SwiGLU, softmax.

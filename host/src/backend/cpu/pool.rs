@@ -1,0 +1,1 @@
+//! A persistent worker pool for data-parallel kernels.

@@ -1,0 +1,1 @@
+//! GGML block formats: dequantization and dot products computed directly on quantized blocks.

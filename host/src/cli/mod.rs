@@ -1,0 +1,1 @@
+//! Command-line interface: flag parsing and the subcommands.

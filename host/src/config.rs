@@ -1,0 +1,1 @@
+//! TOML configuration: raw file -> resolved config, unknown keys rejected.

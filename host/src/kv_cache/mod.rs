@@ -1,0 +1,1 @@
+//! The KV-cache manager: block pool, reference counts, prefix hashing, eviction. No device types.

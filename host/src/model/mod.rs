@@ -1,0 +1,1 @@
+//! Models: file loaders, tokenizer, chat templates and one file per architecture.

@@ -1,0 +1,1 @@
+//! The generation runtime: runs requests through a model and a sampler.
