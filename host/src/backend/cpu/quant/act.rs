@@ -67,6 +67,14 @@ unsafe impl<T: Send> Sync for SyncPtr<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Send for SyncPtr<T> {}
 
+impl<T> SyncPtr<T> {
+    /// The pointer. (A method, so closures capture the whole `Sync` wrapper, not the field.)
+    #[inline]
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 /// Quantizing more elements than this is split across the pool.
 const PARALLEL_QUANT_ELEMS: usize = 32 * 1024;
 
@@ -108,16 +116,17 @@ impl Acts {
             // SAFETY: token t owns rows t of each buffer, which `grow` sized above; tasks
             // handle distinct tokens, and the buffers outlive this call.
             unsafe {
-                let q = std::slice::from_raw_parts_mut(qs.0.add(t * qs_stride), qs_stride);
-                let s = std::slice::from_raw_parts_mut(scale.0.add(t * f_stride), f_stride);
+                let q = std::slice::from_raw_parts_mut(qs.get().add(t * qs_stride), qs_stride);
+                let s = std::slice::from_raw_parts_mut(scale.get().add(t * f_stride), f_stride);
                 match kind {
                     ActKind::Q8 => {
-                        let m = std::slice::from_raw_parts_mut(sum.0.add(t * f_stride), f_stride);
+                        let m =
+                            std::slice::from_raw_parts_mut(sum.get().add(t * f_stride), f_stride);
                         quantize_q8(xt, q, s, m);
                     }
                     _ => {
                         let b = std::slice::from_raw_parts_mut(
-                            bsums.0.add(t * bsums_stride),
+                            bsums.get().add(t * bsums_stride),
                             bsums_stride,
                         );
                         quantize_q8k(xt, q, s, b);
