@@ -1,3 +1,11 @@
-fn main() {
-    println!("deepinfer");
+//! The `deepinfer` binary: everything lives in the library's `cli` module.
+
+fn main() -> std::process::ExitCode {
+    match deepinfer::cli::main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

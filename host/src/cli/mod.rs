@@ -1,1 +1,33 @@
 //! Command-line interface: flag parsing and the subcommands.
+
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+/// DeepInfer: offline LLM inference with sandboxed WebAssembly policy plugins.
+#[derive(Debug, Parser)]
+#[command(name = "deepinfer", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate text from prompts (the default model is fetched on first use).
+    Generate(generate::GenerateArgs),
+}
+
+/// Parses the command line and runs the subcommand.
+pub fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DEEPINFER_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Generate(args) => generate::run(args),
+    }
+}

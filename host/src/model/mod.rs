@@ -1,1 +1,106 @@
-//! Models: file loaders, tokenizer, chat templates and one file per architecture.
+//! Models: file loaders (GGUF, HF safetensors folders), tokenizer, chat templates and one
+//! file per architecture behind the [`CausalLm`] trait.
+
+pub mod arch;
+pub mod batch;
+pub mod chat;
+pub mod fetch;
+pub mod gguf;
+pub mod gguf_config;
+pub mod gguf_writer;
+pub mod tiny;
+pub mod hf;
+pub mod hparams;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use crate::backend::cpu::kv::PagedKv;
+use crate::backend::cpu::pool::ThreadPool;
+use crate::error::{Error, Result};
+use crate::tensor::Weight;
+use batch::Batch;
+use chat::ChatTemplate;
+use hparams::ModelConfig;
+use tokenizer::Tokenizer;
+
+/// A decoder-only language model.
+pub trait CausalLm: Send + Sync {
+    fn config(&self) -> &ModelConfig;
+
+    /// Runs every token of `batch`, writing their K/V into `kv`, and returns the logits of the
+    /// tokens listed in `batch.logits_for` (`[logits_for.len(), vocab]`).
+    fn forward(&self, pool: &ThreadPool, batch: &Batch, kv: &mut PagedKv) -> Result<Vec<f32>>;
+}
+
+/// Which naming convention a checkpoint's tensors follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Naming {
+    Gguf,
+    Hf,
+}
+
+/// Where an architecture's loader gets its tensors.
+pub trait WeightSource {
+    fn naming(&self) -> Naming;
+    fn has(&self, name: &str) -> bool;
+    /// The tensor `name`, checked against the logical row-major `shape`.
+    fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight>;
+}
+
+impl WeightSource for gguf::GgufFile {
+    fn naming(&self) -> Naming {
+        Naming::Gguf
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+    fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        gguf::GgufFile::weight(self, name, shape)
+    }
+}
+
+/// A model ready to run: weights, tokenizer and chat template.
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("path", &self.path)
+            .field("config", self.model.config())
+            .finish()
+    }
+}
+
+/// Loads a `.gguf` file or an HF folder (`config.json` + safetensors + `tokenizer.json`).
+pub fn load(path: &Path) -> Result<LoadedModel> {
+    if path.is_dir() {
+        return hf::load(path);
+    }
+    let g = gguf::GgufFile::open(path)?;
+    let cfg = gguf_config::model_config(&g)?;
+    let tokenizer = Tokenizer::from_gguf(&g)?;
+    if tokenizer.vocab_size() != cfg.vocab {
+        return Err(Error::BadMetadata {
+            key: "tokenizer.ggml.tokens".into(),
+            reason: format!(
+                "{} tokens, but the embedding has {} rows",
+                tokenizer.vocab_size(),
+                cfg.vocab
+            ),
+        });
+    }
+    let chat_template = ChatTemplate::for_tokenizer(g.get("tokenizer.chat_template").and_then(|v| v.as_str()), &tokenizer)?;
+    let model = arch::build(cfg, &g)?;
+    Ok(LoadedModel {
+        path: path.to_path_buf(),
+        model,
+        tokenizer,
+        chat_template,
+    })
+}

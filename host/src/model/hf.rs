@@ -1,0 +1,226 @@
+//! HF-format model folders: `config.json`, `*.safetensors` (single or sharded with
+//! `model.safetensors.index.json`), `tokenizer.json`, `tokenizer_config.json`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+use super::arch;
+use super::chat::ChatTemplate;
+use super::hparams::{AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle};
+use super::tokenizer::Tokenizer;
+use super::{LoadedModel, Naming, WeightSource};
+use crate::error::{Error, Result};
+use crate::tensor::{Bytes, DType, Weight};
+
+struct Entry {
+    map: Arc<Mmap>,
+    dtype: DType,
+    shape: Vec<usize>,
+    offset: usize,
+    len: usize,
+}
+
+/// The tensors of an HF folder, memory-mapped.
+pub struct SafetensorsFolder {
+    tensors: HashMap<String, Entry>,
+}
+
+fn st_err(path: &Path, reason: impl std::fmt::Display) -> Error {
+    Error::Safetensors { path: path.to_path_buf(), reason: reason.to_string() }
+}
+
+impl SafetensorsFolder {
+    /// Maps every safetensors file of the folder (the index's shards, or `model.safetensors`,
+    /// or every `*.safetensors`).
+    pub fn open(dir: &Path) -> Result<SafetensorsFolder> {
+        let files = shard_files(dir)?;
+        let mut tensors = HashMap::new();
+        for path in files {
+            let file = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: read-only map of a model file; see `GgufFile::open`.
+            let map = Arc::new(unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?);
+            let (header, meta) = SafeTensors::read_metadata(&map).map_err(|e| st_err(&path, e))?;
+            let data_start = 8 + header;
+            for (name, info) in meta.tensors() {
+                let dtype = match info.dtype {
+                    Dtype::F32 => DType::F32,
+                    Dtype::F16 => DType::F16,
+                    Dtype::BF16 => DType::BF16,
+                    other => {
+                        return Err(st_err(&path, format!("tensor `{name}` has unsupported dtype {other:?}")))
+                    }
+                };
+                let (a, b) = info.data_offsets;
+                tensors.insert(
+                    name.clone(),
+                    Entry { map: map.clone(), dtype, shape: info.shape.clone(), offset: data_start + a, len: b - a },
+                );
+            }
+        }
+        Ok(SafetensorsFolder { tensors })
+    }
+}
+
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let v: Value = read_json(&index)?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| st_err(&index, "no `weight_map` object"))?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|f| f.as_str())
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(st_err(dir, "no *.safetensors files in the folder"));
+    }
+    Ok(files)
+}
+
+impl WeightSource for SafetensorsFolder {
+    fn naming(&self) -> Naming {
+        Naming::Hf
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let e = self.tensors.get(name).ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        if e.shape != shape {
+            return Err(Error::ShapeMismatch { tensor: name.into(), expected: shape.to_vec(), actual: e.shape.clone() });
+        }
+        let cols = *shape.last().unwrap_or(&1);
+        let rows = if shape.len() > 1 { shape[..shape.len() - 1].iter().product() } else { 1 };
+        if e.dtype.bytes_for(rows * cols) != Some(e.len) {
+            return Err(Error::ShapeMismatch { tensor: name.into(), expected: shape.to_vec(), actual: e.shape.clone() });
+        }
+        Ok(Weight {
+            dtype: e.dtype,
+            rows,
+            cols,
+            data: Bytes::Mapped { map: e.map.clone(), offset: e.offset, len: e.len },
+        })
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::BadConfig(format!("{}: {e}", path.display())))
+}
+
+fn field<'a>(cfg: &'a Value, key: &str) -> Option<&'a Value> {
+    cfg.get(key).filter(|v| !v.is_null())
+}
+
+fn req_usize(cfg: &Value, key: &str) -> Result<usize> {
+    field(cfg, key)
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .ok_or_else(|| Error::BadConfig(format!("config.json: `{key}` is missing or not a non-negative integer")))
+}
+
+/// Ids that may be written as a number or a list.
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Reads a Llama-family `config.json` into a [`ModelConfig`]. Rope settings may be written
+/// new-style (`rope_parameters`) or old-style (`rope_theta` + `rope_scaling`).
+pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
+    let model_type = field(cfg, "model_type").and_then(|v| v.as_str()).unwrap_or("");
+    if !arch::SUPPORTED.contains(&model_type) {
+        return Err(arch::unknown(model_type));
+    }
+    let hidden = req_usize(cfg, "hidden_size")?;
+    let n_heads = req_usize(cfg, "num_attention_heads")?;
+    if n_heads == 0 {
+        return Err(Error::BadConfig("config.json: num_attention_heads is 0".into()));
+    }
+    let n_kv_heads = field(cfg, "num_key_value_heads").and_then(|v| v.as_u64()).map_or(n_heads, |v| v as usize);
+    let head_dim = field(cfg, "head_dim").and_then(|v| v.as_u64()).map_or(hidden / n_heads, |v| v as usize);
+    let n_layers = req_usize(cfg, "num_hidden_layers")?;
+    let rope_params = field(cfg, "rope_parameters");
+    let theta = rope_params
+        .and_then(|p| p.get("rope_theta"))
+        .or_else(|| field(cfg, "rope_theta"))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(10000.0) as f32;
+    let scaling = rope_params.or_else(|| field(cfg, "rope_scaling"));
+    let scale = match scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(|v| v.as_str()) {
+        None | Some("default") => 1.0,
+        Some("linear") => scaling.and_then(|s| s.get("factor")).and_then(|v| v.as_f64()).unwrap_or(1.0) as f32,
+        Some(other) => return Err(Error::BadConfig(format!("config.json: rope scaling `{other}` is not supported"))),
+    };
+    let attention = match field(cfg, "sliding_window").and_then(|v| v.as_u64()) {
+        Some(w) if w > 0 => AttentionKind::Sliding { window: w as usize },
+        _ => AttentionKind::Full,
+    };
+    let spec = LayerSpec { attention, rope: RopeSpec { theta, dims: head_dim, style: RopeStyle::Half, scale } };
+    let c = ModelConfig {
+        arch: model_type.to_string(),
+        n_layers,
+        hidden,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        ffn: req_usize(cfg, "intermediate_size")?,
+        vocab: req_usize(cfg, "vocab_size")?,
+        context_len: field(cfg, "max_position_embeddings").and_then(|v| v.as_u64()).unwrap_or(4096) as usize,
+        rms_eps: field(cfg, "rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
+        tie_embeddings: field(cfg, "tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        layers: vec![spec; n_layers],
+    };
+    c.validate()?;
+    Ok(c)
+}
+
+/// Loads an HF folder.
+pub fn load(dir: &Path) -> Result<LoadedModel> {
+    let cfg_json = read_json(&dir.join("config.json"))?;
+    let cfg = model_config(&cfg_json)?;
+    let tok_cfg = read_json(&dir.join("tokenizer_config.json")).ok();
+    let gen_cfg = read_json(&dir.join("generation_config.json")).ok();
+    let mut eos = ids(gen_cfg.as_ref().and_then(|g| g.get("eos_token_id")));
+    if eos.is_empty() {
+        eos = ids(field(&cfg_json, "eos_token_id"));
+    }
+    let bos = ids(field(&cfg_json, "bos_token_id")).first().copied();
+    let add_bos = tok_cfg
+        .as_ref()
+        .and_then(|t| t.get("add_bos_token"))
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos, add_bos)?;
+    let chat_template = ChatTemplate::for_tokenizer(tok_cfg.as_ref().and_then(|t| t.get("chat_template")).and_then(|v| v.as_str()), &tokenizer)?;
+    let st = SafetensorsFolder::open(dir)?;
+    let model = arch::build(cfg, &st)?;
+    Ok(LoadedModel { path: dir.to_path_buf(), model, tokenizer, chat_template })
+}

@@ -1,0 +1,113 @@
+//! Architecture-neutral hyper-parameters of a decoder-only model, with a per-layer attention
+//! spec (full or sliding window, and its rope settings) so that architectures that mix layer
+//! kinds (Gemma-3, Mistral, DeepSeek-V4) describe themselves in the same shape.
+
+use crate::error::{Error, Result};
+
+/// How rotary embeddings pair up the dimensions of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (x0, x1), (x2, x3), ...: GGUF's llama layout (its converter permutes Q/K).
+    Interleaved,
+    /// First half against second half ("rotate half"): HF transformers' layout.
+    Half,
+}
+
+/// Rotary position embedding settings of one layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f32,
+    /// Number of leading head dimensions that rotate (the rest pass through).
+    pub dims: usize,
+    pub style: RopeStyle,
+    /// Linear position scaling factor (1.0 = none).
+    pub scale: f32,
+}
+
+/// Which keys a layer's queries may see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Every earlier position (causal).
+    Full,
+    /// Only the last `window` positions, the query's own included.
+    Sliding { window: usize },
+}
+
+/// Per-layer attention spec.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpec {
+    pub attention: AttentionKind,
+    pub rope: RopeSpec,
+}
+
+/// Hyper-parameters shared by the decoder-only architectures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub arch: String,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub context_len: usize,
+    pub rms_eps: f32,
+    pub tie_embeddings: bool,
+    pub layers: Vec<LayerSpec>,
+}
+
+impl ModelConfig {
+    /// Checks the relations the kernels rely on; the message names the offending field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::BadConfig(m));
+        if self.n_layers == 0 || self.hidden == 0 || self.n_heads == 0 || self.vocab == 0 {
+            return bad(format!(
+                "n_layers ({}), hidden ({}), n_heads ({}) and vocab ({}) must be positive",
+                self.n_layers, self.hidden, self.n_heads, self.vocab
+            ));
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "head count {} is not a multiple of the KV head count {}",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be positive and even", self.head_dim));
+        }
+        if self.layers.len() != self.n_layers {
+            return bad(format!(
+                "{} layer specs for {} layers",
+                self.layers.len(),
+                self.n_layers
+            ));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.rope.dims > self.head_dim || l.rope.dims % 2 != 0 {
+                return bad(format!(
+                    "layer {i}: rope dims {} must be even and at most head_dim {}",
+                    l.rope.dims, self.head_dim
+                ));
+            }
+            if !(l.rope.theta > 0.0) {
+                return bad(format!("layer {i}: rope theta {} must be positive", l.rope.theta));
+            }
+            if let AttentionKind::Sliding { window: 0 } = l.attention {
+                return bad(format!("layer {i}: sliding window of 0"));
+            }
+        }
+        if self.context_len == 0 {
+            return bad("context length must be positive".into());
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}

@@ -1,0 +1,156 @@
+//! Bad input gets a clear error, never a panic: broken model files, unknown architectures,
+//! over-long and empty prompts. The engine keeps serving the other requests.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use deepinfer::model::gguf::MetaValue;
+use deepinfer::model::gguf_writer::{self, TensorOut};
+use deepinfer::model::tiny::TinyLlama;
+use deepinfer::runtime::{FinishReason, PromptInput};
+use deepinfer::Error;
+
+fn write_tiny(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<TensorOut>)) -> std::path::PathBuf {
+    let (mut meta, mut tensors) = TinyLlama::default().build();
+    edit(&mut meta, &mut tensors);
+    let p = dir.join(name);
+    gguf_writer::write(&p, &meta, &tensors).expect("write gguf");
+    p
+}
+
+fn load_err(p: &Path) -> Error {
+    match deepinfer::model::load(p) {
+        Ok(_) => panic!("{} loaded but should not", p.display()),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn tiny_model_loads_and_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "ok.gguf", |_, _| {});
+    let llm = common::engine(deepinfer::model::load(&p).expect("tiny model loads"), 2);
+    let out = llm.generate(&[common::greedy("a", PromptInput::Text("hello world".into()), 5)], &mut |_| {});
+    assert_eq!(out[0].token_ids.len(), 5, "{:?}", out[0]);
+    assert_eq!(out[0].finish_reason, FinishReason::Length);
+}
+
+#[test]
+fn not_gguf_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("x.gguf");
+    std::fs::write(&p, b"this is plainly a text file").unwrap();
+    let e = load_err(&p);
+    assert!(matches!(e, Error::NotGguf { .. }), "{e}");
+    assert!(e.to_string().contains("not a GGUF file"), "{e}");
+}
+
+#[test]
+fn truncated_gguf_is_refused_at_every_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "full.gguf", |_, _| {});
+    let bytes = std::fs::read(&p).unwrap();
+    let cut_path = dir.path().join("cut.gguf");
+    for cut in [3usize, 8, 30, 200, 5000, bytes.len() / 2, bytes.len() - 1] {
+        std::fs::write(&cut_path, &bytes[..cut]).unwrap();
+        let e = load_err(&cut_path);
+        assert!(matches!(e, Error::BadGguf { .. } | Error::NotGguf { .. }), "cut {cut}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains("truncated") || msg.contains("GGUF"), "cut {cut}: {msg}");
+    }
+}
+
+#[test]
+fn unknown_tensor_type_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "t.gguf", |_, t| t[2].type_id = 99);
+    let e = load_err(&p);
+    assert!(matches!(e, Error::UnknownTensorType { type_id: 99, .. }), "{e}");
+    assert!(e.to_string().contains("blk.0.attn_norm.weight"), "{e}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "m.gguf", |_, t| t.retain(|x| x.name != "blk.1.ffn_up.weight"));
+    let e = load_err(&p);
+    assert!(matches!(&e, Error::MissingTensor(n) if n == "blk.1.ffn_up.weight"), "{e}");
+}
+
+#[test]
+fn shape_contradicting_metadata_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "s.gguf", |_, t| {
+        let q = t.iter_mut().find(|x| x.name == "blk.0.attn_q.weight").unwrap();
+        *q = TensorOut::f32("blk.0.attn_q.weight", &[32, 64], &vec![0.0; 32 * 64]);
+    });
+    let e = load_err(&p);
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("blk.0.attn_q.weight"), "{e}");
+}
+
+#[test]
+fn unknown_architecture_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "a.gguf", |m, _| m[0].1 = MetaValue::Str("frobnicator".into()));
+    let e = load_err(&p);
+    assert!(matches!(e, Error::UnknownArchitecture(..)), "{e}");
+    assert!(e.to_string().contains("frobnicator"), "{e}");
+}
+
+#[test]
+fn over_long_and_empty_prompts_fail_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "ok.gguf", |_, _| {});
+    let llm = common::engine(deepinfer::model::load(&p).unwrap(), 2);
+    let long = "x".repeat(200); // 200 byte tokens > context 64
+    let reqs = vec![
+        common::greedy("long", PromptInput::Text(long), 4),
+        common::greedy("empty", PromptInput::Text(String::new()), 4),
+        common::greedy("fine", PromptInput::Text("hello".into()), 4),
+        common::greedy("bad-id", PromptInput::Tokens(vec![1, 100_000]), 4),
+    ];
+    let out = llm.generate(&reqs, &mut |_| {});
+    assert_eq!(out[0].finish_reason, FinishReason::Error);
+    assert!(out[0].error.as_deref().unwrap().contains("context window"), "{:?}", out[0].error);
+    assert!(out[1].error.as_deref().unwrap().contains("empty"), "{:?}", out[1].error);
+    assert_eq!(out[2].error, None);
+    assert_eq!(out[2].token_ids.len(), 4);
+    assert!(out[3].error.as_deref().unwrap().contains("outside the vocabulary"), "{:?}", out[3].error);
+}
+
+#[test]
+fn cli_reports_a_corrupt_model_without_panicking() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad.gguf");
+    std::fs::write(&p, b"GGUF\x03\x00\x00\x00\xff").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["generate", "--prompt", "hi", "--model"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("truncated"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn cli_rejects_unknown_prompt_file_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_tiny(dir.path(), "ok.gguf", |_, _| {});
+    let f = dir.path().join("p.jsonl");
+    std::fs::write(&f, "{\"prompt\": \"hi\", \"temprature\": 0.5}\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["generate", "--prompts-file"])
+        .arg(&f)
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("p.jsonl:1") && stderr.contains("temprature"), "{stderr}");
+}

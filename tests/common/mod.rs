@@ -1,0 +1,56 @@
+//! Shared helpers for the end-to-end tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use deepinfer::model::{fetch, load, LoadedModel};
+use deepinfer::runtime::{EngineOptions, Llm, PromptInput, Request};
+use deepinfer::sampling::{NativeSampler, SamplingParams};
+
+/// The default model, fetched through the same path `deepinfer generate` uses.
+pub fn default_model_path() -> PathBuf {
+    fetch::resolve_model(None, &mut |m| eprintln!("test setup: {m}")).expect("the default model is available")
+}
+
+pub fn default_model() -> LoadedModel {
+    load(&default_model_path()).expect("the default model loads")
+}
+
+pub fn engine(model: LoadedModel, threads: usize) -> Llm {
+    Llm::new(model, Arc::new(NativeSampler), EngineOptions { threads, ..Default::default() })
+}
+
+pub fn greedy(id: &str, prompt: PromptInput, max_tokens: usize) -> Request {
+    Request {
+        id: id.into(),
+        prompt,
+        params: SamplingParams { max_tokens, ..Default::default() },
+    }
+}
+
+/// The reference vectors in `tests/data/smollm2_greedy.json`.
+pub struct RefCase {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub top5_next: Vec<u32>,
+    pub greedy_ids: Vec<u32>,
+}
+
+pub fn reference_cases() -> Vec<RefCase> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2_greedy.json");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("reference file")).expect("json");
+    let ids = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array().expect("array").iter().map(|t| t.as_u64().expect("id") as u32).collect()
+    };
+    v.as_array()
+        .expect("list")
+        .iter()
+        .map(|c| RefCase {
+            prompt: c["prompt"].as_str().expect("prompt").to_string(),
+            prompt_ids: ids(&c["prompt_ids"]),
+            top5_next: ids(&c["top5_next"]),
+            greedy_ids: ids(&c["greedy_ids"]),
+        })
+        .collect()
+}
