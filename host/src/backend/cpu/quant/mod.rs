@@ -6,9 +6,20 @@
 //! module never allocates weights: kernels read the quantized bytes where they lie.
 
 pub(crate) mod act;
+#[cfg(target_arch = "x86_64")]
+mod avx256;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512_k;
 pub(crate) mod dequant;
 pub(crate) mod dequant_k;
 mod isa;
+pub(crate) mod kernel;
+mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+use avx256::{avx2, avxvnni};
 
 pub use isa::Isa;
 
@@ -50,3 +61,10 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
         block(b, y);
     }
 }
+
+#[cfg(test)]
+mod fixture_tests;
+#[cfg(test)]
+mod kernel_tests;
+#[cfg(test)]
+pub(crate) mod test_util;
