@@ -66,6 +66,15 @@ pub enum Error {
 
     #[error("model fetch failed: {0}")]
     Fetch(String),
+
+    #[error("a request needs {needed_blocks} KV blocks to reach its full length, but the cache has only {num_blocks}")]
+    KvCacheTooSmall {
+        needed_blocks: usize,
+        num_blocks: usize,
+    },
+
+    #[error("scheduler: {0}")]
+    Scheduler(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
