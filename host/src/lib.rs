@@ -6,6 +6,7 @@
 //! -> `backend` (kernels) -> `tensor`. `plugins` hosts the Wasm policy plugins.
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod error;

@@ -1,5 +1,6 @@
 //! Command-line interface: flag parsing and the subcommands.
 
+mod bench;
 mod generate;
 
 use clap::{Parser, Subcommand};
@@ -16,6 +17,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from prompts (the default model is fetched on first use).
     Generate(generate::GenerateArgs),
+    /// Measure prefill and decode speed, optionally against a peer command.
+    Bench(bench::BenchArgs),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -29,5 +32,6 @@ pub fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

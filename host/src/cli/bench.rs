@@ -1,0 +1,202 @@
+//! `deepinfer bench prefill|decode`: sweeps over prompt lengths or batch sizes, warm-up kept
+//! apart, JSONL records, and an optional peer command run alternately for a same-run ratio.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+
+use crate::backend::cpu::pool::ThreadPool;
+use crate::bench::{decode_steps, prefill_once, BenchRecord, Summary};
+use crate::model::fetch::resolve_model;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub mode: BenchMode,
+    /// A `.gguf` file or HF folder (default: the default model).
+    #[arg(long, global = true, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Compute threads.
+    #[arg(long, global = true, default_value_t = 2)]
+    pub threads: usize,
+    /// Measured repeats per point.
+    #[arg(long, global = true, default_value_t = 5)]
+    pub repeats: usize,
+    /// Unmeasured warm-up repeats per point.
+    #[arg(long, global = true, default_value_t = 1)]
+    pub warmup: usize,
+    /// Append JSONL records to this file (default: print them to stdout).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// A peer command run alternately with each repeat. It gets DEEPINFER_BENCH_MODE,
+    /// _MODEL, _PROMPT_LEN, _NEW_TOKENS, _BATCH and _THREADS in its environment and must
+    /// print one JSON line `{"raw_s": [seconds, ...]}` (prefill: one value; decode: one per step).
+    #[arg(long, global = true, value_name = "COMMAND")]
+    pub peer: Option<String>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchMode {
+    /// Time the prefill of one prompt per length.
+    Prefill {
+        /// Prompt lengths, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "128,512")]
+        lengths: Vec<usize>,
+    },
+    /// Time decode steps after a prefill.
+    Decode {
+        /// Batch sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 128)]
+        prompt_len: usize,
+        #[arg(long, default_value_t = 128)]
+        new_tokens: usize,
+    },
+}
+
+struct Point {
+    mode: &'static str,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+}
+
+fn commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result<Vec<f64>> {
+    let out = Command::new("sh")
+        .args(["-c", cmd])
+        .env("DEEPINFER_BENCH_MODE", p.mode)
+        .env("DEEPINFER_BENCH_MODEL", model)
+        .env("DEEPINFER_BENCH_PROMPT_LEN", p.prompt_len.to_string())
+        .env("DEEPINFER_BENCH_NEW_TOKENS", p.new_tokens.to_string())
+        .env("DEEPINFER_BENCH_BATCH", p.batch.to_string())
+        .env("DEEPINFER_BENCH_THREADS", threads.to_string())
+        .output()
+        .with_context(|| format!("running peer `{cmd}`"))?;
+    if !out.status.success() {
+        bail!("peer `{cmd}` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .with_context(|| format!("peer `{cmd}` printed no JSON line"))?;
+    let v: serde_json::Value = serde_json::from_str(line).context("peer output is not JSON")?;
+    let raw = v["raw_s"].as_array().context("peer output has no `raw_s` list")?;
+    raw.iter()
+        .map(|x| x.as_f64().context("`raw_s` holds a non-number"))
+        .collect()
+}
+
+/// Runs `deepinfer bench`.
+pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
+    let loaded = crate::model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let model = loaded.model.as_ref();
+    let pool = ThreadPool::new(a.threads.max(1));
+    let points: Vec<Point> = match &a.mode {
+        BenchMode::Prefill { lengths } => lengths
+            .iter()
+            .map(|&l| Point { mode: "prefill", batch: 1, prompt_len: l, new_tokens: 0 })
+            .collect(),
+        BenchMode::Decode { batch, prompt_len, new_tokens } => batch
+            .iter()
+            .map(|&b| Point { mode: "decode", batch: b, prompt_len: *prompt_len, new_tokens: *new_tokens })
+            .collect(),
+    };
+    let model_name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let commit = commit();
+    let mut sink: Box<dyn Write> = match &a.output {
+        Some(p) => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let mut table = Vec::new();
+    for p in &points {
+        let ctx = p.prompt_len + p.new_tokens + 1;
+        if ctx > model.config().context_len {
+            bail!("prompt {} + {} new tokens exceeds the model's context {}", p.prompt_len, p.new_tokens, model.config().context_len);
+        }
+        let ours_once = |seed: u64| -> anyhow::Result<Vec<f64>> {
+            Ok(match p.mode {
+                "prefill" => vec![prefill_once(model, &pool, p.prompt_len, seed)?],
+                _ => decode_steps(model, &pool, p.batch, p.prompt_len, p.new_tokens)?,
+            })
+        };
+        for w in 0..a.warmup {
+            ours_once(1000 + w as u64)?;
+            if let Some(cmd) = &a.peer {
+                run_peer(cmd, p, &path.to_string_lossy(), a.threads)?;
+            }
+        }
+        let (mut ours, mut peer) = (Vec::new(), Vec::new());
+        for r in 0..a.repeats {
+            eprintln!("deepinfer: {} batch {} len {}: repeat {}/{}", p.mode, p.batch, p.prompt_len, r + 1, a.repeats);
+            ours.extend(ours_once(r as u64)?);
+            if let Some(cmd) = &a.peer {
+                peer.extend(run_peer(cmd, p, &path.to_string_lossy(), a.threads)?);
+            }
+        }
+        let mut records = vec![("deepinfer", ours)];
+        if a.peer.is_some() {
+            records.push(("peer", peer));
+        }
+        let mut medians = Vec::new();
+        for (engine, raw) in records {
+            let mut rec = BenchRecord {
+                mode: p.mode.into(),
+                engine: engine.into(),
+                model: model_name.clone(),
+                device: format!("cpu ({} threads)", a.threads),
+                threads: a.threads,
+                batch: p.batch,
+                prompt_len: p.prompt_len,
+                new_tokens: p.new_tokens,
+                warmup: a.warmup,
+                commit: commit.clone(),
+                raw_s: raw,
+                median_s: 0.0,
+                prefill_tok_s: None,
+                decode_steps_s: None,
+                tok_s_per_user: None,
+                tok_s_per_device: None,
+            };
+            rec.derive();
+            writeln!(sink, "{}", serde_json::to_string(&rec)?)?;
+            let rate = rec.prefill_tok_s.or(rec.tok_s_per_device).unwrap_or(0.0);
+            let spread = Summary::of(&rec.raw_s).map(|s| (s.min, s.max)).unwrap_or_default();
+            medians.push(rec.median_s);
+            table.push(format!(
+                "{:<8} {:<10} {:>5} {:>6} {:>12.3} {:>10.1}  [{:.3}..{:.3}] ms",
+                p.mode, engine, p.batch, p.prompt_len, rec.median_s * 1e3, rate, spread.0 * 1e3, spread.1 * 1e3
+            ));
+        }
+        if medians.len() == 2 && medians[0] > 0.0 {
+            table.push(format!("{:<8} ratio deepinfer/peer speed = {:.2}x", p.mode, medians[1] / medians[0]));
+        }
+    }
+    sink.flush()?;
+    eprintln!("{:<8} {:<10} {:>5} {:>6} {:>12} {:>10}", "mode", "engine", "batch", "len", "median ms", "tok/s");
+    for l in table {
+        eprintln!("{l}");
+    }
+    Ok(())
+}
