@@ -3,7 +3,9 @@
 //! [`ThreadPool::parallel_for`] hands out task indices from one shared counter; the calling
 //! thread works too. Workers spin briefly between jobs (a decode step issues hundreds of small
 //! jobs back to back) and park once idle, so a call in the common case costs no allocation and
-//! no system call. This module owns only scheduling: it knows nothing about the kernels it runs.
+//! no system call. The caller never waits for a worker that has not joined the job: on a busy
+//! machine a descheduled worker is simply left out. This module owns only scheduling: it
+//! knows nothing about the kernels it runs.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -30,14 +32,19 @@ struct Job {
     n_tasks: usize,
 }
 
+/// Job epochs: even values are open jobs, odd values closed ones (no one may join).
+fn is_open(epoch: u64) -> bool {
+    epoch % 2 == 0
+}
+
 struct Shared {
-    /// Bumped once per job; workers watch it.
+    /// The current job's epoch: set to a new even value when a job opens, +1 when it closes.
     epoch: Padded<AtomicU64>,
     /// Next task index to hand out.
     next: Padded<AtomicUsize>,
-    /// Workers that have not yet finished the current job.
-    pending: Padded<AtomicUsize>,
-    /// Written only by the thread that holds `busy`, and only while `pending` is zero.
+    /// Workers inside a job (they may read `job` and run tasks).
+    active: Padded<AtomicUsize>,
+    /// Written only by the thread holding `busy`, while the job is closed and `active == 0`.
     job: UnsafeCell<Job>,
     /// Set while a job runs; a nested or concurrent call finds it set and runs inline.
     busy: AtomicBool,
@@ -48,10 +55,10 @@ struct Shared {
     sleeping: Vec<AtomicBool>,
 }
 
-// SAFETY: `job` is the only non-Sync field. It is written by the thread holding `busy` while no
-// worker reads it (`pending == 0`, observed with Acquire), published to workers by the Release
-// increment of `epoch`, and read by a worker only between observing that epoch (Acquire) and
-// its Release decrement of `pending`. The closure it points to is `Sync`.
+// SAFETY: `job` is the only non-Sync field. The `busy` holder writes it only after closing the
+// previous job and observing `active == 0`, then opens the new epoch (SeqCst). A worker reads it
+// only after incrementing `active` and then seeing an open epoch (both SeqCst), so the writer
+// cannot start the next write before that worker decrements `active`. The closure is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw closure pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
@@ -70,9 +77,9 @@ impl ThreadPool {
     pub fn new(n_threads: usize) -> ThreadPool {
         let n_workers = n_threads.max(1) - 1;
         let shared = Arc::new(Shared {
-            epoch: Padded(AtomicU64::new(0)),
+            epoch: Padded(AtomicU64::new(1)),
             next: Padded(AtomicUsize::new(0)),
-            pending: Padded(AtomicUsize::new(0)),
+            active: Padded(AtomicUsize::new(0)),
             job: UnsafeCell::new(Job {
                 f: None,
                 n_tasks: 0,
@@ -134,13 +141,14 @@ impl ThreadPool {
             (0..n_tasks).for_each(f);
             return;
         }
-        // SAFETY: only the lifetime is erased. Workers dereference the pointer only until they
-        // decrement `pending`, and this function does not return before `pending` is zero.
+        // SAFETY: only the lifetime is erased. Workers dereference the pointer only while
+        // counted in `active`, and this function does not return before `active` is zero with
+        // the job closed.
         let erased: JobFn = unsafe {
             std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static (dyn Fn(usize) + Sync)>(f)
         };
-        // SAFETY: we hold `busy` and the previous job ended with `pending == 0` (Acquire), so
-        // no worker reads `job` now.
+        // SAFETY: we hold `busy`; the previous job was closed and `active` seen zero, so no
+        // worker reads `job` now (see `Shared`).
         unsafe {
             *s.job.get() = Job {
                 f: Some(erased),
@@ -148,8 +156,8 @@ impl ThreadPool {
             }
         };
         s.next.0.store(0, Ordering::Relaxed);
-        s.pending.0.store(self.threads.len(), Ordering::Relaxed);
-        s.epoch.0.fetch_add(1, Ordering::SeqCst);
+        let open = s.epoch.0.load(Ordering::Relaxed) + 1;
+        s.epoch.0.store(open, Ordering::SeqCst);
         for (flag, t) in s.sleeping.iter().zip(&self.threads) {
             if flag.load(Ordering::SeqCst) {
                 t.unpark();
@@ -157,7 +165,10 @@ impl ThreadPool {
         }
 
         let mine = catch_unwind(AssertUnwindSafe(|| run_tasks(&s.next.0, n_tasks, f)));
-        wait_until(|| s.pending.0.load(Ordering::Acquire) == 0);
+        // Every task is claimed (or we panicked): close the job, then wait for the workers
+        // that joined it to finish their tasks.
+        s.epoch.0.store(open + 1, Ordering::SeqCst);
+        wait_until(|| s.active.0.load(Ordering::SeqCst) == 0);
         let worker_panicked = s.worker_panicked.swap(false, Ordering::Relaxed);
         s.busy.store(false, Ordering::Release);
         if let Err(payload) = mine {
@@ -206,7 +217,7 @@ fn wait_until(done: impl Fn() -> bool) {
     let mut spins = 0u32;
     while !done() {
         spins = spins.saturating_add(1);
-        if spins < 1 << 16 {
+        if spins < 1 << 12 {
             std::hint::spin_loop();
         } else {
             thread::yield_now();
@@ -215,26 +226,36 @@ fn wait_until(done: impl Fn() -> bool) {
 }
 
 fn worker_main(s: &Shared, idx: usize) {
-    let mut seen = 0u64;
+    let mut seen = s.epoch.0.load(Ordering::Relaxed);
     while let Some(epoch) = wait_for_job(s, idx, seen) {
         seen = epoch;
-        // SAFETY: the job was written before the epoch we observed with Acquire and stays
-        // untouched until we decrement `pending` below.
-        let job = unsafe { *s.job.get() };
-        if let Some(ptr) = job.f {
-            // SAFETY: the caller of `parallel_for` keeps the closure alive until `pending` is
-            // zero, which cannot happen before our decrement below.
-            let f = unsafe { &*ptr };
-            if catch_unwind(AssertUnwindSafe(|| run_tasks(&s.next.0, job.n_tasks, f))).is_err() {
-                s.worker_panicked.store(true, Ordering::Relaxed);
+        s.active.0.fetch_add(1, Ordering::SeqCst);
+        // Re-check after announcing ourselves: the caller may have closed the job meanwhile
+        // (then it may not wait for us, so we must not touch the job), or opened a newer one.
+        let now = s.epoch.0.load(Ordering::SeqCst);
+        if is_open(now) {
+            seen = now;
+            // SAFETY: we are counted in `active` and saw the epoch open, so the job stays as
+            // written until we decrement `active` (see `Shared`).
+            let job = unsafe { *s.job.get() };
+            if let Some(ptr) = job.f {
+                // SAFETY: the caller of `parallel_for` keeps the closure alive until `active`
+                // is zero, which cannot happen before our decrement below.
+                let f = unsafe { &*ptr };
+                let run = catch_unwind(AssertUnwindSafe(|| run_tasks(&s.next.0, job.n_tasks, f)));
+                if run.is_err() {
+                    s.worker_panicked.store(true, Ordering::Relaxed);
+                }
             }
         }
-        s.pending.0.fetch_sub(1, Ordering::Release);
+        s.active.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
-/// Waits for an epoch other than `seen`: spins for a while, then parks. `None` on shutdown.
+/// Waits for an open epoch other than `seen`: spins for a while, then parks. `None` on
+/// shutdown.
 fn wait_for_job(s: &Shared, idx: usize, seen: u64) -> Option<u64> {
+    let ready = |e: u64| e != seen && is_open(e);
     let mut start: Option<Instant> = None;
     let mut spins = 0u32;
     loop {
@@ -242,7 +263,7 @@ fn wait_for_job(s: &Shared, idx: usize, seen: u64) -> Option<u64> {
             return None;
         }
         let e = s.epoch.0.load(Ordering::Acquire);
-        if e != seen {
+        if ready(e) {
             return Some(e);
         }
         spins += 1;
@@ -256,9 +277,9 @@ fn wait_for_job(s: &Shared, idx: usize, seen: u64) -> Option<u64> {
             continue;
         }
         // Announce the nap, then re-check: either we see the new epoch here, or the caller sees
-        // our flag after its SeqCst epoch bump and unparks us (an early unpark is remembered).
+        // our flag after its SeqCst epoch store and unparks us (an early unpark is remembered).
         s.sleeping[idx].store(true, Ordering::SeqCst);
-        if s.epoch.0.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
+        if !ready(s.epoch.0.load(Ordering::SeqCst)) && !s.shutdown.load(Ordering::SeqCst) {
             thread::park();
         }
         s.sleeping[idx].store(false, Ordering::Relaxed);

@@ -1,0 +1,99 @@
+//! CPU matmul kernels on the default model's shapes (SmolLM2-135M: Q4_1 linear layers, Q8_0
+//! tied embedding / output head), 2 threads.
+//!
+//! - `matvec/*` (one token, the decode case): throughput is weight bytes streamed (GB/s).
+//! - `tokens64/*` (64 tokens, the prefill case): throughput "elements" are FLOPs
+//!   (2 * rows * cols * 64), so Gelem/s reads as GFLOP/s.
+//! - `isa/*`: one matvec shape on every instruction-set level this CPU has.
+//!
+//! Run: `cargo bench -p deepinfer --bench cpu_kernels -- --warm-up-time 1 --measurement-time 3`
+
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use deepinfer::backend::cpu::matmul::{matmul, matmul_with_isa};
+use deepinfer::backend::cpu::pool::ThreadPool;
+use deepinfer::backend::cpu::quant::Isa;
+use deepinfer::tensor::{Bytes, DType, Weight};
+
+/// (name, dtype, rows, cols) of the default model's matrices.
+const SHAPES: [(&str, DType, usize, usize); 5] = [
+    ("q4_1_576x576_attn_q_o", DType::Q4_1, 576, 576),
+    ("q4_1_192x576_attn_k_v", DType::Q4_1, 192, 576),
+    ("q4_1_1536x576_ffn_gate_up", DType::Q4_1, 1536, 576),
+    ("q4_1_576x1536_ffn_down", DType::Q4_1, 576, 1536),
+    ("q8_0_49152x576_output", DType::Q8_0, 49152, 576),
+];
+
+/// Random blocks with sane f16 scales (the values do not matter for speed, NaNs would).
+fn weight(dtype: DType, rows: usize, cols: usize) -> Weight {
+    let n = dtype.bytes_for(rows * cols).expect("whole blocks");
+    let mut state = 0x1234_5678_9abc_def0u64;
+    let mut bytes: Vec<u8> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let scales: &[usize] = if dtype == DType::Q4_1 { &[0, 2] } else { &[0] };
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &off in scales {
+            let v = half::f16::from_f32(0.01 + (block[off + 4] as f32) / 4096.0);
+            block[off..off + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    Weight {
+        dtype,
+        rows,
+        cols,
+        data: Bytes::Owned(Arc::new(bytes)),
+    }
+}
+
+fn activations(n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0).collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let pool = ThreadPool::new(2);
+    let weights: Vec<_> = SHAPES
+        .iter()
+        .map(|&(name, dt, r, k)| (name, weight(dt, r, k)))
+        .collect();
+
+    let mut g = c.benchmark_group("matvec");
+    for (name, w) in &weights {
+        let x = activations(w.cols);
+        let mut y = vec![0f32; w.rows];
+        g.throughput(Throughput::BytesDecimal(w.bytes().len() as u64));
+        g.bench_function(*name, |b| b.iter(|| matmul(&pool, w, &x, 1, &mut y)));
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("tokens64");
+    for (name, w) in &weights {
+        let n = 64;
+        let x = activations(n * w.cols);
+        let mut y = vec![0f32; n * w.rows];
+        g.throughput(Throughput::Elements((2 * w.rows * w.cols * n) as u64));
+        g.bench_function(*name, |b| b.iter(|| matmul(&pool, w, &x, n, &mut y)));
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("isa");
+    let (_, w) = &weights[2];
+    let x = activations(w.cols);
+    let mut y = vec![0f32; w.rows];
+    g.throughput(Throughput::BytesDecimal(w.bytes().len() as u64));
+    for isa in Isa::available() {
+        g.bench_with_input(BenchmarkId::new("q4_1_1536x576", isa.name()), &isa, |b, &isa| {
+            b.iter(|| matmul_with_isa(&pool, isa, w, &x, 1, &mut y))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
