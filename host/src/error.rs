@@ -41,6 +41,30 @@ pub enum Error {
     #[error("invalid model config: {0}")]
     BadConfig(String),
 
+    #[error("config file {path}: {message}")]
+    Config { path: PathBuf, message: String },
+
+    #[error("plugin `{plugin}`: {reason}")]
+    Plugin { plugin: String, reason: String },
+
+    #[error("plugin `{plugin}`: {path} has sha256 {actual}, but the config pins {expected}")]
+    PluginHashMismatch {
+        plugin: String,
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+
+    #[error("plugin `{plugin}` was built for the plugin ABI deepinfer:plugin@{found}, which this host does not support (it loads {supported}); rebuild it against a supported deepinfer-plugin-sdk")]
+    PluginAbi {
+        plugin: String,
+        found: String,
+        supported: String,
+    },
+
+    #[error("plugin `{plugin}` imports `{import}`, which the host does not provide (plugins may import only deepinfer:plugin/host and deepinfer:plugin/types; build them for wasm32-unknown-unknown, not WASI)")]
+    PluginImport { plugin: String, import: String },
+
     #[error("safetensors error in {path}: {reason}")]
     Safetensors { path: PathBuf, reason: String },
 

@@ -1,0 +1,79 @@
+//! Choosing a row's candidates on the host: the top-K logits in one pass over the vocabulary,
+//! with the same order as `sampling::top_k_candidates` (highest first, ties by lower id, NaN
+//! as -inf) but without sorting or copying the whole vocabulary.
+
+use std::cmp::Ordering;
+
+use crate::ids::TokenId;
+use crate::sampling::Candidate;
+
+fn better(a: &Candidate, b: &Candidate) -> Ordering {
+    b.logit
+        .partial_cmp(&a.logit)
+        .unwrap_or(Ordering::Equal)
+        .then(a.id.cmp(&b.id))
+}
+
+/// Writes the `k` best candidates of `logits` into `out` (cleared first), best first.
+pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
+    out.clear();
+    let k = k.min(logits.len());
+    if k == 0 {
+        return;
+    }
+    // Keep a buffer of up to `cap` contenders; when it fills, cut it to the best k and raise
+    // the bar to the k-th logit. A later token at or under the bar has a higher id than every
+    // kept token with that logit, so it can never enter.
+    let cap = (2 * k).max(k + 64);
+    let mut bar = f32::NEG_INFINITY;
+    let mut cut = false;
+    for (i, &l) in logits.iter().enumerate() {
+        let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
+        if cut && l <= bar {
+            continue;
+        }
+        out.push(Candidate { id: i as TokenId, logit: l });
+        if out.len() == cap {
+            out.select_nth_unstable_by(k - 1, better);
+            out.truncate(k);
+            bar = out[k - 1].logit;
+            cut = true;
+        }
+    }
+    if out.len() > k {
+        out.select_nth_unstable_by(k - 1, better);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(better);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::top_k_candidates;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn matches_the_reference_selection(
+            logits in prop::collection::vec(prop_oneof![
+                -4i32..4i32, // many ties
+                Just(i32::MIN), // stands for NaN
+            ], 0..700),
+            k in 0usize..300,
+        ) {
+            let logits: Vec<f32> = logits.iter().map(|&v| if v == i32::MIN { f32::NAN } else { v as f32 * 0.5 }).collect();
+            let mut out = Vec::new();
+            top_k_into(&logits, k, &mut out);
+            prop_assert_eq!(out, top_k_candidates(&logits, k));
+        }
+    }
+
+    #[test]
+    fn handles_a_large_vocabulary() {
+        let logits: Vec<f32> = (0..49_152u32).map(|i| ((i * 7919) % 10007) as f32).collect();
+        let mut out = Vec::new();
+        top_k_into(&logits, 256, &mut out);
+        assert_eq!(out, top_k_candidates(&logits, 256));
+    }
+}
