@@ -21,7 +21,7 @@ fn write_tiny(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<(String, MetaVa
 }
 
 fn load_err(p: &Path) -> Error {
-    match deepinfer::model::load(p) {
+    match common::load_cpu(p) {
         Ok(_) => panic!("{} loaded but should not", p.display()),
         Err(e) => e,
     }
@@ -31,7 +31,7 @@ fn load_err(p: &Path) -> Error {
 fn tiny_model_loads_and_generates() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "ok.gguf", |_, _| {});
-    let llm = common::engine(deepinfer::model::load(&p).expect("tiny model loads"), 2);
+    let llm = common::engine(common::load_cpu(&p).expect("tiny model loads"));
     let out = llm.generate(&[common::greedy("a", PromptInput::Text("hello world".into()), 5)], &mut |_| {});
     assert_eq!(out[0].token_ids.len(), 5, "{:?}", out[0]);
     assert_eq!(out[0].finish_reason, FinishReason::Length);
@@ -104,7 +104,7 @@ fn unknown_architecture_is_named() {
 fn over_long_and_empty_prompts_fail_alone() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "ok.gguf", |_, _| {});
-    let llm = common::engine(deepinfer::model::load(&p).unwrap(), 2);
+    let llm = common::engine(common::load_cpu(&p).unwrap());
     let long = "x".repeat(200); // 200 byte tokens > context 64
     let reqs = vec![
         common::greedy("long", PromptInput::Text(long), 4),

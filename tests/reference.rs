@@ -13,7 +13,7 @@ fn default_model_matches_the_numpy_reference() {
         let ids = model.tokenizer.encode(&c.prompt).expect("tokenizes");
         assert_eq!(ids, c.prompt_ids, "tokenization of {:?}", c.prompt);
     }
-    let llm = common::engine(model, 2);
+    let llm = common::engine(model);
     let requests: Vec<_> = cases
         .iter()
         .enumerate()

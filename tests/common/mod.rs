@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use deepinfer::backend::Device;
 use deepinfer::model::{fetch, load, LoadedModel};
 use deepinfer::runtime::{EngineOptions, Llm, PromptInput, Request};
 use deepinfer::sampling::{NativeSampler, SamplingParams};
@@ -14,11 +15,15 @@ pub fn default_model_path() -> PathBuf {
 }
 
 pub fn default_model() -> LoadedModel {
-    load(&default_model_path()).expect("the default model loads")
+    load(&default_model_path(), Device::Cpu { threads: 2 }).expect("the default model loads")
 }
 
-pub fn engine(model: LoadedModel, threads: usize) -> Llm {
-    Llm::new(model, Arc::new(NativeSampler), EngineOptions { threads, ..Default::default() })
+pub fn load_cpu(path: &std::path::Path) -> deepinfer::Result<LoadedModel> {
+    load(path, Device::Cpu { threads: 2 })
+}
+
+pub fn engine(model: LoadedModel) -> Llm {
+    Llm::new(model, Arc::new(NativeSampler), EngineOptions::default())
 }
 
 pub fn greedy(id: &str, prompt: PromptInput, max_tokens: usize) -> Request {

@@ -2,12 +2,10 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::kv::PagedKv;
-use crate::backend::cpu::pool::ThreadPool;
 use crate::error::Result;
 use crate::ids::TokenId;
 use crate::model::batch::Batch;
-use crate::model::CausalLm;
+use crate::model::{CausalLm, KvCache};
 
 const BLOCK: usize = 16;
 
@@ -24,20 +22,19 @@ pub fn synthetic_prompt(len: usize, vocab: usize, seed: u64) -> Vec<TokenId> {
         .collect()
 }
 
-fn kv_for(model: &dyn CausalLm, seqs: usize, tokens: usize) -> (PagedKv, usize) {
-    let c = model.config();
+fn kv_for(model: &dyn CausalLm, seqs: usize, tokens: usize) -> Result<(KvCache, usize)> {
     let per_seq = tokens.div_ceil(BLOCK);
-    (PagedKv::new(c.n_layers, seqs * per_seq, BLOCK, c.n_kv_heads, c.head_dim), per_seq)
+    Ok((model.new_kv(seqs * per_seq, BLOCK)?, per_seq))
 }
 
 /// Seconds to prefill one prompt of `len` tokens (one forward pass, logits of the last token).
-pub fn prefill_once(model: &dyn CausalLm, pool: &ThreadPool, len: usize, seed: u64) -> Result<f64> {
+pub fn prefill_once(model: &dyn CausalLm, len: usize, seed: u64) -> Result<f64> {
     let prompt = synthetic_prompt(len, model.config().vocab, seed);
-    let (mut kv, per_seq) = kv_for(model, 1, len);
+    let (mut kv, per_seq) = kv_for(model, 1, len)?;
     let mut b = Batch::default();
     b.push(&prompt, 0, (0..per_seq as u32).collect(), true);
     let t = Instant::now();
-    model.forward(pool, &b, &mut kv)?;
+    model.forward(&b, &mut kv)?;
     Ok(t.elapsed().as_secs_f64())
 }
 
@@ -45,13 +42,12 @@ pub fn prefill_once(model: &dyn CausalLm, pool: &ThreadPool, len: usize, seed: u
 /// whole batch, each feeding back the greedy token. Returns seconds per step.
 pub fn decode_steps(
     model: &dyn CausalLm,
-    pool: &ThreadPool,
     batch: usize,
     prompt_len: usize,
     steps: usize,
 ) -> Result<Vec<f64>> {
     let vocab = model.config().vocab;
-    let (mut kv, per_seq) = kv_for(model, batch, prompt_len + steps + 1);
+    let (mut kv, per_seq) = kv_for(model, batch, prompt_len + steps + 1)?;
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
         .collect();
@@ -59,7 +55,7 @@ pub fn decode_steps(
     for (i, table) in tables.iter().enumerate() {
         let mut b = Batch::default();
         b.push(&synthetic_prompt(prompt_len, vocab, i as u64 + 1), 0, table.clone(), true);
-        let logits = model.forward(pool, &b, &mut kv)?;
+        let logits = model.forward(&b, &mut kv)?;
         last.push(argmax(&logits));
     }
     let mut times = Vec::with_capacity(steps);
@@ -69,7 +65,7 @@ pub fn decode_steps(
             b.push(&[last[i]], prompt_len + s, table.clone(), true);
         }
         let t = Instant::now();
-        let logits = model.forward(pool, &b, &mut kv)?;
+        let logits = model.forward(&b, &mut kv)?;
         times.push(t.elapsed().as_secs_f64());
         for (i, l) in logits.chunks_exact(vocab).enumerate() {
             last[i] = argmax(l);

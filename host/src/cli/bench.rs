@@ -7,7 +7,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context};
 
-use crate::backend::cpu::pool::ThreadPool;
+use crate::backend::Device;
 use crate::bench::{decode_steps, prefill_once, BenchRecord, Summary};
 use crate::model::fetch::resolve_model;
 
@@ -104,9 +104,8 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
 /// Runs `deepinfer bench`.
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
-    let loaded = crate::model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let loaded = crate::model::load(&path, Device::Cpu { threads: a.threads.max(1) }).with_context(|| format!("loading {}", path.display()))?;
     let model = loaded.model.as_ref();
-    let pool = ThreadPool::new(a.threads.max(1));
     let points: Vec<Point> = match &a.mode {
         BenchMode::Prefill { lengths } => lengths
             .iter()
@@ -137,8 +136,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
         let ours_once = |seed: u64| -> anyhow::Result<Vec<f64>> {
             Ok(match p.mode {
-                "prefill" => vec![prefill_once(model, &pool, p.prompt_len, seed)?],
-                _ => decode_steps(model, &pool, p.batch, p.prompt_len, p.new_tokens)?,
+                "prefill" => vec![prefill_once(model, p.prompt_len, seed)?],
+                _ => decode_steps(model, p.batch, p.prompt_len, p.new_tokens)?,
             })
         };
         for w in 0..a.warmup {
@@ -165,7 +164,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 mode: p.mode.into(),
                 engine: engine.into(),
                 model: model_name.clone(),
-                device: format!("cpu ({} threads)", a.threads),
+                device: model.device_name(),
                 threads: a.threads,
                 batch: p.batch,
                 prompt_len: p.prompt_len,

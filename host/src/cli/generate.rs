@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use crate::backend::Device;
 use crate::model::chat::Message;
 use crate::model::fetch::resolve_model;
 use crate::runtime::{EngineOptions, Llm, PromptInput, Request, RequestOutput};
@@ -143,11 +144,12 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     base.validate().map_err(|e| anyhow::anyhow!("invalid sampling flags: {e}"))?;
 
     let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
-    let loaded = crate::model::load(&path).with_context(|| format!("loading {}", path.display()))?;
+    let device = match a.threads {
+        Some(t) => Device::Cpu { threads: t.max(1) },
+        None => Device::cpu_all(),
+    };
+    let loaded = crate::model::load(&path, device).with_context(|| format!("loading {}", path.display()))?;
     let mut opts = EngineOptions::default();
-    if let Some(t) = a.threads {
-        opts.threads = t.max(1);
-    }
     opts.seed = a.seed.unwrap_or(0);
     let llm = Llm::new(loaded, Arc::new(NativeSampler), opts);
 

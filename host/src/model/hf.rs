@@ -203,7 +203,7 @@ pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
 }
 
 /// Loads an HF folder.
-pub fn load(dir: &Path) -> Result<LoadedModel> {
+pub fn load(dir: &Path, device: crate::backend::Device) -> Result<LoadedModel> {
     let cfg_json = read_json(&dir.join("config.json"))?;
     let cfg = model_config(&cfg_json)?;
     let tok_cfg = read_json(&dir.join("tokenizer_config.json")).ok();
@@ -221,6 +221,6 @@ pub fn load(dir: &Path) -> Result<LoadedModel> {
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos, add_bos)?;
     let chat_template = ChatTemplate::for_tokenizer(tok_cfg.as_ref().and_then(|t| t.get("chat_template")).and_then(|v| v.as_str()), &tokenizer)?;
     let st = SafetensorsFolder::open(dir)?;
-    let model = arch::build(cfg, &st)?;
+    let model = arch::build(cfg, &st, device)?;
     Ok(LoadedModel { path: dir.to_path_buf(), model, tokenizer, chat_template })
 }

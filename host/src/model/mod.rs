@@ -15,8 +15,7 @@ pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
-use crate::backend::cpu::kv::PagedKv;
-use crate::backend::cpu::pool::ThreadPool;
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Weight;
 use batch::Batch;
@@ -24,13 +23,43 @@ use chat::ChatTemplate;
 use hparams::ModelConfig;
 use tokenizer::Tokenizer;
 
+/// A model's paged KV storage, owned by the caller and opaque to it: the model made it with
+/// [`CausalLm::new_kv`] and downcasts it back in `forward`.
+pub struct KvCache {
+    inner: Box<dyn std::any::Any + Send>,
+    block_size: usize,
+}
+
+impl KvCache {
+    pub fn new<T: Send + 'static>(inner: T, block_size: usize) -> KvCache {
+        KvCache { inner: Box::new(inner), block_size }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The backend's storage; an error if this cache was made by another backend.
+    pub fn get_mut<T: 'static>(&mut self) -> Result<&mut T> {
+        self.inner
+            .downcast_mut::<T>()
+            .ok_or_else(|| Error::BadRequest("KV cache was made by a different backend".into()))
+    }
+}
+
 /// A decoder-only language model.
 pub trait CausalLm: Send + Sync {
     fn config(&self) -> &ModelConfig;
 
+    /// The device it runs on, in words.
+    fn device_name(&self) -> String;
+
+    /// Paged KV storage for `num_blocks` blocks of `block_size` tokens.
+    fn new_kv(&self, num_blocks: usize, block_size: usize) -> Result<KvCache>;
+
     /// Runs every token of `batch`, writing their K/V into `kv`, and returns the logits of the
     /// tokens listed in `batch.logits_for` (`[logits_for.len(), vocab]`).
-    fn forward(&self, pool: &ThreadPool, batch: &Batch, kv: &mut PagedKv) -> Result<Vec<f32>>;
+    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>>;
 }
 
 /// Which naming convention a checkpoint's tensors follow.
@@ -77,10 +106,11 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
-/// Loads a `.gguf` file or an HF folder (`config.json` + safetensors + `tokenizer.json`).
-pub fn load(path: &Path) -> Result<LoadedModel> {
+/// Loads a `.gguf` file or an HF folder (`config.json` + safetensors + `tokenizer.json`)
+/// onto `device`.
+pub fn load(path: &Path, device: Device) -> Result<LoadedModel> {
     if path.is_dir() {
-        return hf::load(path);
+        return hf::load(path, device);
     }
     let g = gguf::GgufFile::open(path)?;
     let cfg = gguf_config::model_config(&g)?;
@@ -96,7 +126,7 @@ pub fn load(path: &Path) -> Result<LoadedModel> {
         });
     }
     let chat_template = ChatTemplate::for_tokenizer(g.get("tokenizer.chat_template").and_then(|v| v.as_str()), &tokenizer)?;
-    let model = arch::build(cfg, &g)?;
+    let model = arch::build(cfg, &g, device)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
         model,

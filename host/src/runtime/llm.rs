@@ -7,19 +7,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::request::{FinishReason, PromptInput, Request, RequestOutput, Timings};
-use crate::backend::cpu::kv::PagedKv;
-use crate::backend::cpu::pool::ThreadPool;
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 use crate::model::batch::Batch;
-use crate::model::LoadedModel;
+use crate::model::{KvCache, LoadedModel};
 use crate::sampling::{BatchSampler, SampleRow, SamplingParams};
 
 /// Engine settings resolved once at start.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
-    /// Compute threads (the caller's thread included).
-    pub threads: usize,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Most sequences decoded together.
@@ -33,7 +29,6 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
-            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             block_size: 16,
             max_batch: 64,
             prefill_chunk: 512,
@@ -69,15 +64,13 @@ impl Seq {
 /// An offline inference engine over one loaded model.
 pub struct Llm {
     model: LoadedModel,
-    pool: ThreadPool,
     sampler: Arc<dyn BatchSampler>,
     opts: EngineOptions,
 }
 
 impl Llm {
     pub fn new(model: LoadedModel, sampler: Arc<dyn BatchSampler>, opts: EngineOptions) -> Llm {
-        let pool = ThreadPool::new(opts.threads.max(1));
-        Llm { model, pool, sampler, opts }
+        Llm { model, sampler, opts }
     }
 
     pub fn model(&self) -> &LoadedModel {
@@ -165,9 +158,15 @@ impl Llm {
                     text: String::new(),
                 });
             }
-            let cfg = self.model.model.config();
-            let mut kv = PagedKv::new(cfg.n_layers, next_block as usize, self.opts.block_size, cfg.n_kv_heads, cfg.head_dim);
-            self.run_wave(&mut seqs, &mut kv);
+            match self.model.model.new_kv(next_block as usize, self.opts.block_size) {
+                Ok(mut kv) => self.run_wave(&mut seqs, &mut kv),
+                Err(e) => {
+                    for s in &mut seqs {
+                        s.done = Some(FinishReason::Error);
+                        s.error = Some(format!("allocating the KV cache failed: {e}"));
+                    }
+                }
+            }
             for s in seqs {
                 let req = &requests[s.idx];
                 let elapsed = t0.elapsed().as_secs_f64();
@@ -197,7 +196,7 @@ impl Llm {
     }
 
     /// Prefills then decodes one wave of sequences until all are done.
-    fn run_wave(&self, seqs: &mut [Seq], kv: &mut PagedKv) {
+    fn run_wave(&self, seqs: &mut [Seq], kv: &mut KvCache) {
         // Prefill: pack prompt chunks of several sequences into each step.
         loop {
             let mut batch = Batch::default();
@@ -249,8 +248,8 @@ impl Llm {
     }
 
     /// One forward pass; on failure every sequence in `rows` fails.
-    fn step(&self, batch: &Batch, kv: &mut PagedKv, seqs: &mut [Seq], rows: &[usize]) -> Option<Vec<f32>> {
-        match self.model.model.forward(&self.pool, batch, kv) {
+    fn step(&self, batch: &Batch, kv: &mut KvCache, seqs: &mut [Seq], rows: &[usize]) -> Option<Vec<f32>> {
+        match self.model.model.forward(batch, kv) {
             Ok(l) => Some(l),
             Err(e) => {
                 for &i in rows {

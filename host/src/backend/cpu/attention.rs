@@ -6,16 +6,7 @@ use super::ops::{axpy, dot};
 use super::pool::ThreadPool;
 use crate::model::batch::Batch;
 
-/// Shape and masking of one attention layer.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnParams {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub scale: f32,
-    /// Sliding window (keys within the last `window` positions, the query's own included).
-    pub window: Option<usize>,
-}
+pub use crate::backend::AttnParams;
 
 /// Queries per task: enough work per task to amortize dispatch, small enough to balance.
 const QUERY_CHUNK: usize = 16;

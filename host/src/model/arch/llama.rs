@@ -5,37 +5,33 @@
 //! Weight names stay the checkpoint's: GGUF (`blk.N.attn_q.weight`) or HF
 //! (`model.layers.N.self_attn.q_proj.weight`).
 
-use crate::backend::cpu::attention::{paged_attention, write_kv, AttnParams};
-use crate::backend::cpu::kv::PagedKv;
-use crate::backend::cpu::matmul::matmul;
-use crate::backend::cpu::ops::{add_assign, rms_norm, silu_mul, RopeTable};
-use crate::backend::cpu::pool::ThreadPool;
-use crate::backend::cpu::quant::dequantize_row;
+use crate::backend::{AttnParams, Backend, KvShape};
 use crate::error::{Error, Result};
 use crate::model::batch::Batch;
 use crate::model::hparams::{AttentionKind, ModelConfig};
-use crate::model::{CausalLm, Naming, WeightSource};
-use crate::tensor::Weight;
+use crate::model::{CausalLm, KvCache, Naming, WeightSource};
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Weight,
-    wk: Weight,
-    wv: Weight,
-    wo: Weight,
-    ffn_norm: Vec<f32>,
-    w_gate: Weight,
-    w_up: Weight,
-    w_down: Weight,
+struct Layer<W> {
+    attn_norm: W,
+    wq: W,
+    wk: W,
+    wv: W,
+    wo: W,
+    ffn_norm: W,
+    w_gate: W,
+    w_up: W,
+    w_down: W,
 }
 
-/// A loaded Llama-family model.
-pub struct Llama {
+/// A loaded Llama-family model on backend `B`.
+pub struct Llama<B: Backend> {
     cfg: ModelConfig,
-    embed: Weight,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
-    lm_head: Weight,
+    backend: B,
+    embed: B::Weight,
+    layers: Vec<Layer<B::Weight>>,
+    norm: B::Weight,
+    /// `None`: tied to the embedding.
+    lm_head: Option<B::Weight>,
 }
 
 /// Tensor names of the two checkpoint formats.
@@ -82,26 +78,19 @@ fn tensor_name(naming: Naming, layer: Option<usize>, key: &str) -> String {
     }
 }
 
-/// A norm weight as f32.
-fn vector(src: &dyn WeightSource, name: &str, len: usize) -> Result<Vec<f32>> {
-    let w = src.weight(name, &[len])?;
-    let mut out = vec![0.0; len];
-    dequantize_row(w.dtype, w.bytes(), &mut out);
-    Ok(out)
-}
-
-impl Llama {
-    pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Llama> {
+impl<B: Backend> Llama<B> {
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource, backend: B) -> Result<Llama<B>> {
         cfg.validate()?;
         let naming = src.naming();
         let n = |l: Option<usize>, k: &str| tensor_name(naming, l, k);
         let (d, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
-        let embed = src.weight(&n(None, "embed"), &[cfg.vocab, d])?;
+        let get = |name: String, shape: &[usize]| -> Result<B::Weight> { backend.prepare_weight(&src.weight(&name, shape)?) };
+        let embed = get(n(None, "embed"), &[cfg.vocab, d])?;
         let lm_name = n(None, "lm_head");
         let lm_head = if src.has(&lm_name) {
-            src.weight(&lm_name, &[cfg.vocab, d])?
+            Some(get(lm_name, &[cfg.vocab, d])?)
         } else if cfg.tie_embeddings {
-            embed.clone()
+            None
         } else {
             return Err(Error::MissingTensor(lm_name));
         };
@@ -109,68 +98,69 @@ impl Llama {
             .map(|i| {
                 let l = Some(i);
                 Ok(Layer {
-                    attn_norm: vector(src, &n(l, "attn_norm"), d)?,
-                    wq: src.weight(&n(l, "q"), &[q, d])?,
-                    wk: src.weight(&n(l, "k"), &[kv, d])?,
-                    wv: src.weight(&n(l, "v"), &[kv, d])?,
-                    wo: src.weight(&n(l, "o"), &[d, q])?,
-                    ffn_norm: vector(src, &n(l, "ffn_norm"), d)?,
-                    w_gate: src.weight(&n(l, "gate"), &[f, d])?,
-                    w_up: src.weight(&n(l, "up"), &[f, d])?,
-                    w_down: src.weight(&n(l, "down"), &[d, f])?,
+                    attn_norm: get(n(l, "attn_norm"), &[d])?,
+                    wq: get(n(l, "q"), &[q, d])?,
+                    wk: get(n(l, "k"), &[kv, d])?,
+                    wv: get(n(l, "v"), &[kv, d])?,
+                    wo: get(n(l, "o"), &[d, q])?,
+                    ffn_norm: get(n(l, "ffn_norm"), &[d])?,
+                    w_gate: get(n(l, "gate"), &[f, d])?,
+                    w_up: get(n(l, "up"), &[f, d])?,
+                    w_down: get(n(l, "down"), &[d, f])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let norm = vector(src, &n(None, "norm"), d)?;
-        Ok(Llama { cfg, embed, layers, norm, lm_head })
+        let norm = get(n(None, "norm"), &[d])?;
+        Ok(Llama { cfg, backend, embed, layers, norm, lm_head })
     }
 }
 
-impl CausalLm for Llama {
+impl<B: Backend> CausalLm for Llama<B> {
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
-    fn forward(&self, pool: &ThreadPool, batch: &Batch, kv: &mut PagedKv) -> Result<Vec<f32>> {
+    fn device_name(&self) -> String {
+        self.backend.device_name()
+    }
+
+    fn new_kv(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
         let c = &self.cfg;
+        let kv = self.backend.new_kv(KvShape {
+            layers: c.n_layers,
+            num_blocks,
+            block_size,
+            kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+        })?;
+        Ok(KvCache::new(kv, block_size))
+    }
+
+    fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
+        let c = &self.cfg;
+        let be = &self.backend;
         let n = batch.n_tokens();
         let (d, qd, kvd, f) = (c.hidden, c.q_dim(), c.kv_dim(), c.ffn);
-        for &t in &batch.tokens {
-            if t as usize >= c.vocab {
-                return Err(Error::BadRequest(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
-            }
-        }
-        let mut x = vec![0.0f32; n * d];
-        for (i, &t) in batch.tokens.iter().enumerate() {
-            let row = self.embed.row_bytes();
-            let bytes = &self.embed.bytes()[t as usize * row..(t as usize + 1) * row];
-            dequantize_row(self.embed.dtype, bytes, &mut x[i * d..(i + 1) * d]);
-        }
-        let positions = batch.positions();
-        let mut tables: Vec<RopeTable> = Vec::new();
-        let mut h = vec![0.0f32; n * d];
-        let mut q = vec![0.0f32; n * qd];
-        let mut k = vec![0.0f32; n * kvd];
-        let mut v = vec![0.0f32; n * kvd];
-        let mut att = vec![0.0f32; n * qd];
-        let mut o = vec![0.0f32; n * d];
-        let mut g = vec![0.0f32; n * f];
-        let mut u = vec![0.0f32; n * f];
+        let block_size = kv.block_size();
+        let kv = kv.get_mut::<B::Kv>()?;
+        let mut step = be.prepare_step(batch, block_size)?;
+        let mut x = be.zeros(n * d)?;
+        be.embed(&self.embed, &batch.tokens, &mut x)?;
+        let mut h = be.zeros(n * d)?;
+        let mut q = be.zeros(n * qd)?;
+        let mut k = be.zeros(n * kvd)?;
+        let mut v = be.zeros(n * kvd)?;
+        let mut att = be.zeros(n * qd)?;
+        let mut o = be.zeros(n * d)?;
+        let mut g = be.zeros(n * f)?;
+        let mut u = be.zeros(n * f)?;
         for (li, (layer, spec)) in self.layers.iter().zip(&c.layers).enumerate() {
-            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            matmul(pool, &layer.wq, &h, n, &mut q);
-            matmul(pool, &layer.wk, &h, n, &mut k);
-            matmul(pool, &layer.wv, &h, n, &mut v);
-            let table = match tables.iter().position(|t| t.spec == spec.rope) {
-                Some(i) => &tables[i],
-                None => {
-                    tables.push(RopeTable::new(spec.rope, &positions));
-                    tables.last().expect("just pushed")
-                }
-            };
-            table.apply(&mut q, c.n_heads, c.head_dim);
-            table.apply(&mut k, c.n_kv_heads, c.head_dim);
-            write_kv(kv, li, batch, &k, &v);
+            be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
+            be.matmul(&layer.wq, &h, n, &mut q)?;
+            be.matmul(&layer.wk, &h, n, &mut k)?;
+            be.matmul(&layer.wv, &h, n, &mut v)?;
+            be.rope(&mut step, spec.rope, &mut q, c.n_heads, c.head_dim)?;
+            be.rope(&mut step, spec.rope, &mut k, c.n_kv_heads, c.head_dim)?;
             let params = AttnParams {
                 n_heads: c.n_heads,
                 n_kv_heads: c.n_kv_heads,
@@ -181,23 +171,23 @@ impl CausalLm for Llama {
                     AttentionKind::Sliding { window } => Some(window),
                 },
             };
-            paged_attention(pool, &params, batch, &q, kv, li, &mut att);
-            matmul(pool, &layer.wo, &att, n, &mut o);
-            add_assign(&mut x, &o);
-            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
-            matmul(pool, &layer.w_gate, &h, n, &mut g);
-            matmul(pool, &layer.w_up, &h, n, &mut u);
-            silu_mul(&mut g, &u);
-            matmul(pool, &layer.w_down, &g, n, &mut o);
-            add_assign(&mut x, &o);
+            be.attention(&step, kv, li, &params, &q, &k, &v, &mut att)?;
+            be.matmul(&layer.wo, &att, n, &mut o)?;
+            be.add_assign(&mut x, &o)?;
+            be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
+            be.matmul(&layer.w_gate, &h, n, &mut g)?;
+            be.matmul(&layer.w_up, &h, n, &mut u)?;
+            be.silu_mul(&mut g, &u)?;
+            be.matmul(&layer.w_down, &g, n, &mut o)?;
+            be.add_assign(&mut x, &o)?;
         }
         let m = batch.logits_for.len();
-        let mut sel = vec![0.0f32; m * d];
-        for (j, &t) in batch.logits_for.iter().enumerate() {
-            rms_norm(&x[t * d..(t + 1) * d], &self.norm, c.rms_eps, &mut sel[j * d..(j + 1) * d]);
-        }
-        let mut logits = vec![0.0f32; m * c.vocab];
-        matmul(pool, &self.lm_head, &sel, m, &mut logits);
-        Ok(logits)
+        let mut sel = be.zeros(m * d)?;
+        be.gather_rows(&x, d, &batch.logits_for, &mut sel)?;
+        let mut normed = be.zeros(m * d)?;
+        be.rms_norm(&sel, &self.norm, c.rms_eps, &mut normed)?;
+        let mut logits = be.zeros(m * c.vocab)?;
+        be.matmul(self.lm_head.as_ref().unwrap_or(&self.embed), &normed, m, &mut logits)?;
+        be.to_host(&logits)
     }
 }

@@ -2,6 +2,8 @@
 
 pub mod llama;
 
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::model::hparams::ModelConfig;
 use crate::model::{CausalLm, WeightSource};
@@ -9,10 +11,19 @@ use crate::model::{CausalLm, WeightSource};
 /// Architectures this build can run, by their GGUF / HF names.
 pub const SUPPORTED: &[&str] = &["llama", "mistral"];
 
-/// Builds the model for `cfg.arch` from `src`.
-pub fn build(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Box<dyn CausalLm>> {
+/// Builds the model for `cfg.arch` from `src` on `device`.
+pub fn build(cfg: ModelConfig, src: &dyn WeightSource, device: Device) -> Result<Box<dyn CausalLm>> {
+    match device {
+        Device::Cpu { threads } => build_on(cfg, src, CpuBackend::new(threads)),
+        Device::Cuda { .. } => Err(Error::BadConfig(
+            "this build has no CUDA backend (build with `--features cuda`)".into(),
+        )),
+    }
+}
+
+fn build_on<B: crate::backend::Backend>(cfg: ModelConfig, src: &dyn WeightSource, backend: B) -> Result<Box<dyn CausalLm>> {
     match cfg.arch.as_str() {
-        "llama" | "mistral" => Ok(Box::new(llama::Llama::load(cfg, src)?)),
+        "llama" | "mistral" => Ok(Box::new(llama::Llama::load(cfg, src, backend)?)),
         other => Err(unknown(other)),
     }
 }
