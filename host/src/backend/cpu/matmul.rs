@@ -88,14 +88,16 @@ pub fn matmul_with_isa(
     let k = kernel::select(w.dtype, isa);
     let x = &x[..n_tokens * cols];
     ACTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut acts) => run(pool, &k, w, x, n_tokens, y, &mut acts),
+        Ok(mut acts) => run(pool, isa, &k, w, x, n_tokens, y, &mut acts),
         // Re-entered on this thread (a matmul inside a pool task): use fresh buffers.
-        Err(_) => run(pool, &k, w, x, n_tokens, y, &mut Acts::default()),
+        Err(_) => run(pool, isa, &k, w, x, n_tokens, y, &mut Acts::default()),
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     pool: &ThreadPool,
+    isa: Isa,
     k: &Kernel,
     w: &Weight,
     x: &[f32],
@@ -103,7 +105,7 @@ fn run(
     y: &mut [f32],
     acts: &mut Acts,
 ) {
-    acts.quantize(pool, k.act, x, n_tokens, w.cols);
+    acts.quantize(pool, isa, k.act, x, n_tokens, w.cols);
     let view = acts.view(x, n_tokens, w.cols);
     let plan = Plan::new(pool.n_threads(), w.rows, w.row_bytes());
     let yp = SyncPtr(y.as_mut_ptr());

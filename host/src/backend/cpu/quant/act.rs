@@ -10,6 +10,7 @@
 //! Buffers are kept between calls; nothing is allocated once they are large enough.
 
 use super::super::pool::ThreadPool;
+use super::Isa;
 
 /// The activation layout a kernel consumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -80,9 +81,12 @@ const PARALLEL_QUANT_ELEMS: usize = 32 * 1024;
 
 impl Acts {
     /// Quantizes `n_tokens` rows of `cols` activations from `x` into the `kind` layout.
+    /// `isa` picks the quantization code (levels above `Scalar` use AVX2); all produce the same
+    /// bytes.
     pub(crate) fn quantize(
         &mut self,
         pool: &ThreadPool,
+        isa: Isa,
         kind: ActKind,
         x: &[f32],
         n_tokens: usize,
@@ -111,6 +115,7 @@ impl Acts {
         let scale = SyncPtr(self.scale.as_mut_ptr());
         let sum = SyncPtr(self.sum.as_mut_ptr());
         let bsums = SyncPtr(self.bsums.as_mut_ptr());
+        let simd = isa != Isa::Scalar;
         let one = |t: usize| {
             let xt = &x[t * cols..(t + 1) * cols];
             // SAFETY: token t owns rows t of each buffer, which `grow` sized above; tasks
@@ -122,14 +127,14 @@ impl Acts {
                     ActKind::Q8 => {
                         let m =
                             std::slice::from_raw_parts_mut(sum.get().add(t * f_stride), f_stride);
-                        quantize_q8(xt, q, s, m);
+                        quantize_q8(xt, q, s, m, simd);
                     }
                     _ => {
                         let b = std::slice::from_raw_parts_mut(
                             bsums.get().add(t * bsums_stride),
                             bsums_stride,
                         );
-                        quantize_q8k(xt, q, s, b);
+                        quantize_q8k(xt, q, s, b, simd);
                     }
                 }
             }
@@ -181,25 +186,69 @@ fn grow<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
     }
 }
 
-/// Symmetric 8-bit quantization of `x` with one scale: returns `d` and fills `q`.
+/// Symmetric 8-bit quantization of `x` (a multiple of 32 values) with one scale: returns `d`
+/// and fills `q`. `simd` picks the AVX2 code on x86-64 (only valid where AVX2 is available);
+/// both round halves to even and give identical results.
 #[inline]
-fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+fn quantize_block(x: &[f32], q: &mut [i8], simd: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is set only for ISA levels that include AVX2 (see `Acts::quantize`).
+        return unsafe { quantize_block_avx2(x, q) };
+    }
+    let _ = simd;
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    // Adding and removing 1.5 * 2^23 rounds to nearest even for |v| <= 127 without a libm call.
+    const MAGIC: f32 = 12_582_912.0;
     for (o, v) in q.iter_mut().zip(x) {
-        *o = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *o = ((v * id + MAGIC) - MAGIC) as i8;
+    }
+    d
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len() / 32 * 32;
+    let (p, o) = (x.as_ptr(), q.as_mut_ptr());
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let mut m = _mm256_setzero_ps();
+    for i in (0..n).step_by(8) {
+        m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(p.add(i)), abs));
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+    // Undo the in-lane interleaving of the two packs.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for i in (0..n).step_by(32) {
+        let v = |k: usize| _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p.add(i + 8 * k)), id));
+        let lo = _mm256_packs_epi32(v(0), v(1));
+        let hi = _mm256_packs_epi32(v(2), v(3));
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+        _mm256_storeu_si256(o.add(i).cast(), bytes);
     }
     d
 }
 
 /// One token into the Q8 layout (see the module docs); `cols` is a multiple of 32.
-pub(crate) fn quantize_q8(x: &[f32], qs: &mut [i8], scale8: &mut [f32], sum8: &mut [f32]) {
+pub(crate) fn quantize_q8(
+    x: &[f32],
+    qs: &mut [i8],
+    scale8: &mut [f32],
+    sum8: &mut [f32],
+    simd: bool,
+) {
     let nb = x.len() / Q8_BLOCK;
     for b in 0..qs.len() / Q8_BLOCK {
         let q = &mut qs[b * Q8_BLOCK..(b + 1) * Q8_BLOCK];
         let (d, s) = if b < nb {
-            let d = quantize_block(&x[b * Q8_BLOCK..(b + 1) * Q8_BLOCK], q);
+            let d = quantize_block(&x[b * Q8_BLOCK..(b + 1) * Q8_BLOCK], q, simd);
             let isum: i32 = q.iter().map(|&v| v as i32).sum();
             (d, d * isum as f32 / LANES as f32)
         } else {
@@ -212,10 +261,10 @@ pub(crate) fn quantize_q8(x: &[f32], qs: &mut [i8], scale8: &mut [f32], sum8: &m
 }
 
 /// One token into the Q8K layout; `cols` is a multiple of 256.
-pub(crate) fn quantize_q8k(x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
+pub(crate) fn quantize_q8k(x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], simd: bool) {
     for (s, ds) in d.iter_mut().enumerate() {
         let q = &mut qs[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK];
-        *ds = quantize_block(&x[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK], q);
+        *ds = quantize_block(&x[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK], q, simd);
         for (g, bs) in bsums[s * 16..(s + 1) * 16].iter_mut().enumerate() {
             *bs = q[g * 16..(g + 1) * 16].iter().map(|&v| v as i16).sum();
         }
@@ -234,7 +283,7 @@ mod tests {
         let mut qs = vec![0i8; 128];
         let mut sc = vec![0f32; 32];
         let mut sm = vec![0f32; 32];
-        quantize_q8(&x, &mut qs, &mut sc, &mut sm);
+        quantize_q8(&x, &mut qs, &mut sc, &mut sm, false);
         for b in 0..3 {
             let d = sc[b * 8];
             assert!(sc[b * 8..b * 8 + 8].iter().all(|&v| v == d));
@@ -257,7 +306,7 @@ mod tests {
         let mut qs = vec![0i8; 512];
         let mut d = vec![0f32; 2];
         let mut bs = vec![0i16; 32];
-        quantize_q8k(&x, &mut qs, &mut d, &mut bs);
+        quantize_q8k(&x, &mut qs, &mut d, &mut bs, false);
         for g in 0..32 {
             let s: i16 = qs[g * 16..g * 16 + 16].iter().map(|&v| v as i16).sum();
             assert_eq!(bs[g], s);
@@ -269,7 +318,31 @@ mod tests {
     fn zero_input_gives_zero_scale() {
         let x = vec![0f32; 32];
         let (mut qs, mut sc, mut sm) = (vec![1i8; 64], vec![1f32; 16], vec![1f32; 16]);
-        quantize_q8(&x, &mut qs, &mut sc, &mut sm);
+        quantize_q8(&x, &mut qs, &mut sc, &mut sm, false);
         assert!(qs.iter().all(|&v| v == 0) && sc.iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn simd_quantization_gives_the_same_bytes() {
+        if !Isa::Avx2.is_available() {
+            return;
+        }
+        // Includes exact halves (ties) and values at the block maximum.
+        let mut x: Vec<f32> = (0..512)
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 37.0)
+            .collect();
+        x[5] = 0.5 * 27.0 / 127.0;
+        x[40] = -2.5;
+        let mut out = Vec::new();
+        for simd in [false, true] {
+            let mut qs = vec![0i8; 512];
+            let mut d = vec![0f32; 2];
+            let mut bs = vec![0i16; 32];
+            quantize_q8k(&x, &mut qs, &mut d, &mut bs, simd);
+            let (mut q8, mut sc, mut sm) = (vec![0i8; 512], vec![0f32; 128], vec![0f32; 128]);
+            quantize_q8(&x, &mut q8, &mut sc, &mut sm, simd);
+            out.push((qs, d, bs, q8, sc, sm));
+        }
+        assert!(out[0] == out[1]);
     }
 }
