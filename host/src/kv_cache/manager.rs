@@ -174,9 +174,10 @@ impl KvCacheManager {
         let full = (num_computed_tokens / self.config.block_size)
             .min(block_hashes.len())
             .min(table.blocks.len());
-        for i in table.num_published..full {
+        let start = table.num_published.min(full);
+        for (&block, &hash) in table.blocks[start..full].iter().zip(&block_hashes[start..full]) {
             // A block whose content another block already publishes stays private.
-            self.pool.register(table.blocks[i], block_hashes[i]);
+            self.pool.register(block, hash);
         }
         table.num_published = table.num_published.max(full);
     }
