@@ -14,6 +14,30 @@ fn better(a: &Candidate, b: &Candidate) -> Ordering {
         .then(a.id.cmp(&b.id))
 }
 
+const CHUNK: usize = 64;
+const LANES: usize = 8;
+
+/// The largest value of `chunk`, ignoring NaN (-inf if there is none); written with independent
+/// lanes so that it vectorizes.
+fn chunk_max(chunk: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut it = chunk.chunks_exact(LANES);
+    for v in &mut it {
+        for k in 0..LANES {
+            if v[k] > acc[k] {
+                acc[k] = v[k];
+            }
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &x in acc.iter().chain(it.remainder()) {
+        if x > m {
+            m = x;
+        }
+    }
+    m
+}
+
 /// Writes the `k` best candidates of `logits` into `out` (cleared first), best first.
 pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
     out.clear();
@@ -27,17 +51,23 @@ pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
     let cap = (2 * k).max(k + 64);
     let mut bar = f32::NEG_INFINITY;
     let mut cut = false;
-    for (i, &l) in logits.iter().enumerate() {
-        let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
-        if cut && l <= bar {
+    for (c, chunk) in logits.chunks(CHUNK).enumerate() {
+        // Once the bar is set, most chunks hold nothing above it: skip them on their maximum.
+        if cut && chunk_max(chunk) <= bar {
             continue;
         }
-        out.push(Candidate { id: i as TokenId, logit: l });
-        if out.len() == cap {
-            out.select_nth_unstable_by(k - 1, better);
-            out.truncate(k);
-            bar = out[k - 1].logit;
-            cut = true;
+        for (j, &l) in chunk.iter().enumerate() {
+            let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
+            if cut && l <= bar {
+                continue;
+            }
+            out.push(Candidate { id: (c * CHUNK + j) as TokenId, logit: l });
+            if out.len() == cap {
+                out.select_nth_unstable_by(k - 1, better);
+                out.truncate(k);
+                bar = out[k - 1].logit;
+                cut = true;
+            }
         }
     }
     if out.len() > k {
