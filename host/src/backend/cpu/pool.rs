@@ -34,7 +34,7 @@ struct Job {
 
 /// Job epochs: even values are open jobs, odd values closed ones (no one may join).
 fn is_open(epoch: u64) -> bool {
-    epoch % 2 == 0
+    epoch.is_multiple_of(2)
 }
 
 struct Shared {
