@@ -38,11 +38,47 @@ fn chunk_max(chunk: &[f32]) -> f32 {
     m
 }
 
+const SCAN_CHUNK: usize = 16;
+const SPARSE_MIN_RATIO: usize = 4;
+
+/// The fast path for a large vocabulary: the k-th largest of the per-chunk maxima is a lower
+/// bound of the k-th largest logit (those k maxima are k distinct logits at least that large),
+/// so only chunks whose maximum reaches it are scanned. Returns false (leaving `out` empty)
+/// when the bound is useless (-inf), and the caller falls back to the one-pass scan.
+fn sparse_top_k(logits: &[f32], k: usize, out: &mut Vec<Candidate>) -> bool {
+    let maxima: Vec<f32> = logits.chunks(SCAN_CHUNK).map(chunk_max).collect();
+    let mut order = maxima.clone();
+    order.select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap_or(Ordering::Equal));
+    let bound = order[k - 1];
+    if bound == f32::NEG_INFINITY {
+        return false;
+    }
+    for (c, (chunk, &m)) in logits.chunks(SCAN_CHUNK).zip(&maxima).enumerate() {
+        if m < bound {
+            continue;
+        }
+        for (j, &l) in chunk.iter().enumerate() {
+            if l >= bound {
+                out.push(Candidate { id: (c * SCAN_CHUNK + j) as TokenId, logit: l });
+            }
+        }
+    }
+    if out.len() > k {
+        out.select_nth_unstable_by(k - 1, better);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(better);
+    true
+}
+
 /// Writes the `k` best candidates of `logits` into `out` (cleared first), best first.
 pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
     out.clear();
     let k = k.min(logits.len());
     if k == 0 {
+        return;
+    }
+    if logits.len() >= SPARSE_MIN_RATIO * k * SCAN_CHUNK && sparse_top_k(logits, k, out) {
         return;
     }
     // Keep a buffer of up to `cap` contenders; when it fills, cut it to the best k and raise
@@ -99,11 +135,46 @@ mod tests {
         }
     }
 
+    proptest! {
+        // Long rows and small k take the sparse path (chunk maxima as a bound).
+        #[test]
+        fn the_sparse_path_matches_the_reference(
+            logits in prop::collection::vec(prop_oneof![
+                8 => -3i32..3i32,
+                1 => Just(i32::MIN),     // NaN
+                1 => Just(i32::MIN + 1), // -inf
+            ], 500..3000),
+            k in 1usize..12,
+        ) {
+            let logits: Vec<f32> = logits.iter().map(|&v| match v {
+                i32::MIN => f32::NAN,
+                v if v == i32::MIN + 1 => f32::NEG_INFINITY,
+                v => v as f32,
+            }).collect();
+            let mut out = Vec::new();
+            top_k_into(&logits, k, &mut out);
+            prop_assert_eq!(out, top_k_candidates(&logits, k));
+        }
+    }
+
     #[test]
     fn handles_a_large_vocabulary() {
-        let logits: Vec<f32> = (0..49_152u32).map(|i| ((i * 7919) % 10007) as f32).collect();
+        let ties: Vec<f32> = (0..49_152u32).map(|i| ((i * 7919) % 10007) as f32).collect();
+        let mut z = 7u64;
+        let random: Vec<f32> = (0..49_152)
+            .map(|_| {
+                z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (z >> 40) as f32
+            })
+            .collect();
+        let mut all_neg_inf = vec![f32::NEG_INFINITY; 49_152];
+        all_neg_inf[777] = f32::NAN;
         let mut out = Vec::new();
-        top_k_into(&logits, 256, &mut out);
-        assert_eq!(out, top_k_candidates(&logits, 256));
+        for logits in [&ties, &random, &all_neg_inf] {
+            for k in [1, 50, 256, 1000] {
+                top_k_into(logits, k, &mut out);
+                assert_eq!(out, top_k_candidates(logits, k), "k = {k}");
+            }
+        }
     }
 }

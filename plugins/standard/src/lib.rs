@@ -6,11 +6,14 @@
 use deepinfer_plugin_sdk::sampler::{HistoryNeed, Row, Sampler};
 use deepinfer_plugin_sdk::{Candidate, SamplingParams, TokenId};
 
+mod index;
+use index::IdIndex;
+
 /// The sampler, with scratch buffers reused across rows.
 #[derive(Debug, Default)]
 pub struct Standard {
     work: Vec<Candidate>,
-    by_id: Vec<(TokenId, u32)>,
+    index: IdIndex,
     counts: Vec<u32>,
     probs: Vec<f64>,
 }
@@ -24,26 +27,19 @@ fn better(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
 }
 
 impl Standard {
-    /// Applies penalties and logit bias to `self.work` in place.
-    fn process(&mut self, params: &SamplingParams, history: &[TokenId]) {
+    /// Applies penalties and logit bias to `self.work` in place; says whether any logit moved.
+    fn process(&mut self, params: &SamplingParams, history: &[TokenId]) -> bool {
         let penalize = params.has_penalties() && !history.is_empty();
-        if penalize || !params.logit_bias.is_empty() {
-            self.by_id.clear();
-            self.by_id
-                .extend(self.work.iter().enumerate().map(|(i, c)| (c.id, i as u32)));
-            self.by_id.sort_unstable();
+        if !penalize && params.logit_bias.is_empty() {
+            return false;
         }
-        let find = |by_id: &[(TokenId, u32)], t: TokenId| {
-            by_id
-                .binary_search_by_key(&t, |&(id, _)| id)
-                .ok()
-                .map(|k| by_id[k].1 as usize)
-        };
+        self.index.build(self.work.iter().map(|c| c.id));
+        let mut moved = false;
         if penalize {
             self.counts.clear();
             self.counts.resize(self.work.len(), 0);
             for &t in history {
-                if let Some(i) = find(&self.by_id, t) {
+                if let Some(i) = self.index.get(t) {
                     self.counts[i] += 1;
                 }
             }
@@ -56,11 +52,13 @@ impl Standard {
                     c.logit = if c.logit > 0.0 { c.logit / rp } else { c.logit * rp };
                 }
                 c.logit -= params.presence_penalty + params.frequency_penalty * n as f32;
+                moved = true;
             }
         }
         for &(t, b) in &params.logit_bias {
-            if let Some(i) = find(&self.by_id, t) {
+            if let Some(i) = self.index.get(t) {
                 self.work[i].logit += b;
+                moved = true;
             }
         }
         for c in &mut self.work {
@@ -68,6 +66,7 @@ impl Standard {
                 c.logit = f32::NEG_INFINITY;
             }
         }
+        moved
     }
 }
 
@@ -83,12 +82,16 @@ impl Sampler for Standard {
         let p = row.params;
         self.work.clear();
         self.work.extend_from_slice(row.candidates);
-        self.process(p, row.history);
+        let moved = self.process(p, row.history);
         if p.is_greedy() {
             let best = self.work.iter().min_by(|a, b| better(a, b));
             return best.map(|c| c.id).ok_or_else(|| "no candidates".into());
         }
-        self.work.sort_unstable_by(better);
+        // The host sends candidates best first; only the penalties and biases can disorder
+        // them, and then only a few, which the adaptive stable sort handles in near O(K).
+        if moved || !self.work.is_sorted_by(|a, b| better(a, b).is_le()) {
+            self.work.sort_by(better);
+        }
         let k = match p.top_k {
             0 => self.work.len(),
             k => (k as usize).min(self.work.len()),
