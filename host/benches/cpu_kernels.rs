@@ -4,6 +4,7 @@
 //! - `matvec/*` (one token, the decode case): throughput is weight bytes streamed (GB/s).
 //! - `tokens64/*` (64 tokens, the prefill case): throughput "elements" are FLOPs
 //!   (2 * rows * cols * 64), so Gelem/s reads as GFLOP/s.
+//! - `overhead/*`: fixed costs of a pool job and of a tiny matvec.
 //! - `isa/*`: one matvec shape on every instruction-set level this CPU has.
 //!
 //! Run: `cargo bench -p deepinfer --bench cpu_kernels -- --warm-up-time 1 --measurement-time 3`
@@ -53,7 +54,9 @@ fn weight(dtype: DType, rows: usize, cols: usize) -> Weight {
 }
 
 fn activations(n: usize) -> Vec<f32> {
-    (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0).collect()
+    (0..n)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 250.0)
+        .collect()
 }
 
 fn bench(c: &mut Criterion) {
@@ -82,15 +85,40 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
 
+    // Fixed costs: an empty two-task job, and a matvec small enough to be all overhead.
+    let mut g = c.benchmark_group("overhead");
+    g.bench_function("parallel_for_2_empty", |b| {
+        b.iter(|| {
+            pool.parallel_for(2, &|i| {
+                std::hint::black_box(i);
+            })
+        })
+    });
+    let tiny = weight(DType::Q4_1, 8, 576);
+    let x = activations(576);
+    let mut y = vec![0f32; 8];
+    g.bench_function("matvec_q4_1_8x576", |b| {
+        b.iter(|| matmul(&pool, &tiny, &x, 1, &mut y))
+    });
+    let one = ThreadPool::new(1);
+    let (_, small) = &weights[1];
+    let mut y = vec![0f32; small.rows];
+    g.bench_function("matvec_q4_1_192x576_1_thread", |b| {
+        b.iter(|| matmul(&one, small, &x, 1, &mut y))
+    });
+    g.finish();
+
     let mut g = c.benchmark_group("isa");
     let (_, w) = &weights[2];
     let x = activations(w.cols);
     let mut y = vec![0f32; w.rows];
     g.throughput(Throughput::BytesDecimal(w.bytes().len() as u64));
     for isa in Isa::available() {
-        g.bench_with_input(BenchmarkId::new("q4_1_1536x576", isa.name()), &isa, |b, &isa| {
-            b.iter(|| matmul_with_isa(&pool, isa, w, &x, 1, &mut y))
-        });
+        g.bench_with_input(
+            BenchmarkId::new("q4_1_1536x576", isa.name()),
+            &isa,
+            |b, &isa| b.iter(|| matmul_with_isa(&pool, isa, w, &x, 1, &mut y)),
+        );
     }
     g.finish();
 }

@@ -187,16 +187,9 @@ fn grow<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
 }
 
 /// Symmetric 8-bit quantization of `x` (a multiple of 32 values) with one scale: returns `d`
-/// and fills `q`. `simd` picks the AVX2 code on x86-64 (only valid where AVX2 is available);
-/// both round halves to even and give identical results.
+/// and fills `q`, rounding halves to even.
 #[inline]
-fn quantize_block(x: &[f32], q: &mut [i8], simd: bool) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is set only for ISA levels that include AVX2 (see `Acts::quantize`).
-        return unsafe { quantize_block_avx2(x, q) };
-    }
-    let _ = simd;
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
@@ -208,35 +201,8 @@ fn quantize_block(x: &[f32], q: &mut [i8], simd: bool) -> f32 {
     d
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = x.len() / 32 * 32;
-    let (p, o) = (x.as_ptr(), q.as_mut_ptr());
-    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let mut m = _mm256_setzero_ps();
-    for i in (0..n).step_by(8) {
-        m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(p.add(i)), abs));
-    }
-    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-    let d = amax / 127.0;
-    let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-    // Undo the in-lane interleaving of the two packs.
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for i in (0..n).step_by(32) {
-        let v = |k: usize| _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p.add(i + 8 * k)), id));
-        let lo = _mm256_packs_epi32(v(0), v(1));
-        let hi = _mm256_packs_epi32(v(2), v(3));
-        let bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
-        _mm256_storeu_si256(o.add(i).cast(), bytes);
-    }
-    d
-}
-
-/// One token into the Q8 layout (see the module docs); `cols` is a multiple of 32.
+/// One token into the Q8 layout (see the module docs); `x.len()` is a multiple of 32. `simd`
+/// uses the AVX2 code (only valid where AVX2 is available); the bytes are the same.
 pub(crate) fn quantize_q8(
     x: &[f32],
     qs: &mut [i8],
@@ -244,11 +210,17 @@ pub(crate) fn quantize_q8(
     sum8: &mut [f32],
     simd: bool,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is set only for ISA levels that include AVX2 (see `Acts::quantize`).
+        return unsafe { super::act_avx2::quantize_q8(x, qs, scale8, sum8) };
+    }
+    let _ = simd;
     let nb = x.len() / Q8_BLOCK;
     for b in 0..qs.len() / Q8_BLOCK {
         let q = &mut qs[b * Q8_BLOCK..(b + 1) * Q8_BLOCK];
         let (d, s) = if b < nb {
-            let d = quantize_block(&x[b * Q8_BLOCK..(b + 1) * Q8_BLOCK], q, simd);
+            let d = quantize_block(&x[b * Q8_BLOCK..(b + 1) * Q8_BLOCK], q);
             let isum: i32 = q.iter().map(|&v| v as i32).sum();
             (d, d * isum as f32 / LANES as f32)
         } else {
@@ -260,11 +232,18 @@ pub(crate) fn quantize_q8(
     }
 }
 
-/// One token into the Q8K layout; `cols` is a multiple of 256.
+/// One token into the Q8K layout; `x.len()` is a multiple of 256. `simd` as in
+/// [`quantize_q8`].
 pub(crate) fn quantize_q8k(x: &[f32], qs: &mut [i8], d: &mut [f32], bsums: &mut [i16], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: as in `quantize_q8`.
+        return unsafe { super::act_avx2::quantize_q8k(x, qs, d, bsums) };
+    }
+    let _ = simd;
     for (s, ds) in d.iter_mut().enumerate() {
         let q = &mut qs[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK];
-        *ds = quantize_block(&x[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK], q, simd);
+        *ds = quantize_block(&x[s * Q8K_BLOCK..(s + 1) * Q8K_BLOCK], q);
         for (g, bs) in bsums[s * 16..(s + 1) * 16].iter_mut().enumerate() {
             *bs = q[g * 16..(g + 1) * 16].iter().map(|&v| v as i16).sum();
         }
@@ -331,8 +310,9 @@ mod tests {
         let mut x: Vec<f32> = (0..512)
             .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 37.0)
             .collect();
-        x[5] = 0.5 * 27.0 / 127.0;
-        x[40] = -2.5;
+        // First block: amax 127 makes the scale exactly 1, so these are exact ties.
+        x[..6].copy_from_slice(&[127.0, 2.5, -3.5, 0.5, 1.5, -0.5]);
+        x[6..32].fill(0.25);
         let mut out = Vec::new();
         for simd in [false, true] {
             let mut qs = vec![0i8; 512];
@@ -344,5 +324,6 @@ mod tests {
             out.push((qs, d, bs, q8, sc, sm));
         }
         assert!(out[0] == out[1]);
+        assert_eq!(out[0].3[..6], [127, 2, -4, 0, 2, 0], "ties round to even");
     }
 }

@@ -7,6 +7,8 @@
 
 pub(crate) mod act;
 #[cfg(target_arch = "x86_64")]
+mod act_avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx256;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
