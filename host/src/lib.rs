@@ -10,6 +10,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod ids;
 pub mod kv_cache;
 pub mod model;

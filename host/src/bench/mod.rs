@@ -2,6 +2,8 @@
 //! measured window, one JSONL record per point, and an optional peer command run alternately
 //! in the same process tree so ratios compare like with like.
 
+pub mod accounting;
+pub mod plot;
 pub mod record;
 pub mod runner;
 

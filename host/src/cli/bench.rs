@@ -170,12 +170,18 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 prompt_len: p.prompt_len,
                 new_tokens: p.new_tokens,
                 warmup: a.warmup,
+                cached_prefix_len: 0,
+                drafts: Default::default(),
                 commit: commit.clone(),
+                timestamp: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
                 raw_s: raw,
                 median_s: 0.0,
                 prefill_tok_s: None,
                 decode_steps_s: None,
                 tok_s_per_user: None,
+                tok_s_per_user_full_acceptance: None,
                 tok_s_per_device: None,
             };
             rec.derive();

@@ -1,7 +1,9 @@
 //! Command-line interface: flag parsing and the subcommands.
 
 mod bench;
+mod eval;
 mod generate;
+mod plot;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +21,10 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed, optionally against a peer command.
     Bench(bench::BenchArgs),
+    /// Draw SVG plots of bench records.
+    Plot(plot::PlotArgs),
+    /// Evaluate: generate samples, score them, or compute perplexity.
+    Eval(eval::EvalArgs),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -33,5 +39,7 @@ pub fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Plot(args) => plot::run(args),
+        Command::Eval(args) => eval::run(args),
     }
 }
