@@ -11,6 +11,8 @@ mod act_avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx256;
 #[cfg(target_arch = "x86_64")]
+mod avx256_k;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512_k;
