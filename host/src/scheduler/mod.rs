@@ -67,6 +67,7 @@ pub use self::output::{
     StepOutcome,
 };
 pub use self::request::{FinishReason, NewRequest, StopCondition};
+pub use self::schedule::PLACEHOLDER_TOKEN;
 pub use self::state::{Scheduler, SchedulerStats};
 pub use crate::kv_cache::SeqId;
 

@@ -55,6 +55,10 @@ pub struct ScheduledSeq {
     /// The sequence's admission count, echoed back so results of a step that ran before the
     /// sequence was preempted are ignored.
     pub epoch: u32,
+    /// Async scheduling: `token_ids` is one placeholder standing for the token that the step
+    /// still in flight samples for this sequence; the runtime substitutes that token before
+    /// the step runs. Only ever set on a one-token decode.
+    pub placeholder: bool,
 }
 
 impl ScheduledSeq {

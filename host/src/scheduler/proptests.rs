@@ -14,6 +14,9 @@ use super::*;
 use crate::ids::{RequestId, TokenId};
 use crate::kv_cache::{KvCacheConfig, KvCacheManager};
 
+#[path = "async_proptests.rs"]
+mod async_mode;
+
 const VOCAB: u32 = 48;
 const EOS: TokenId = 0;
 const MAX_MODEL_LEN: usize = 160;

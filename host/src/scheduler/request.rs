@@ -108,6 +108,9 @@ pub(super) struct Sequence {
     pub epoch: u32,
     /// For sample 0 of an `n > 1` request: the samples waiting to fork from it.
     pub parked_siblings: Vec<SeqId>,
+    /// Scheduled steps of this admission that sample this sequence and whose results have
+    /// not come back yet (async scheduling runs one step ahead of the results).
+    pub pending_samples: usize,
 }
 
 impl Sequence {
@@ -133,6 +136,7 @@ impl Sequence {
             known_to_runtime: false,
             epoch: 0,
             parked_siblings: Vec::new(),
+            pending_samples: 0,
         }
     }
 
@@ -143,6 +147,15 @@ impl Sequence {
     /// Known tokens whose KV is not computed yet (0 while a decode is in flight).
     pub fn num_uncomputed(&self) -> usize {
         self.tokens.len().saturating_sub(self.num_computed_tokens)
+    }
+
+    /// Whether async scheduling may run this sequence's next decode before the token it
+    /// feeds is known: a sample is in flight, every known token is computed, and the token
+    /// in flight will not be the last one `max_tokens` allows.
+    pub fn can_decode_ahead(&self) -> bool {
+        self.pending_samples > 0
+            && self.num_computed_tokens == self.tokens.len()
+            && self.num_output_tokens() + self.pending_samples < self.stop.max_tokens
     }
 
     /// Drafts worth running: one step yields at most `drafts + 1` tokens, so never more

@@ -5,7 +5,13 @@
 use super::output::{BlockTableDiff, NewSeqData, ScheduledSeq, SchedulerOutput};
 use super::request::SeqStatus;
 use super::state::Scheduler;
+use crate::ids::TokenId;
 use crate::kv_cache::{extend_block_hashes, PrefixHit, SeqId};
+
+/// The token id an async decode entry carries until the runtime substitutes the token the
+/// step in flight samples (see [`ScheduledSeq::placeholder`]). Out of every vocabulary, so a
+/// runtime that forgot to substitute fails loudly.
+pub const PLACEHOLDER_TOKEN: TokenId = TokenId::MAX;
 
 /// A sequence's share of the step, before the output is assembled.
 struct Planned {
@@ -13,6 +19,8 @@ struct Planned {
     start: usize,
     num_new: usize,
     num_drafts: usize,
+    /// An async decode whose input token is still being sampled.
+    placeholder: bool,
 }
 
 impl Scheduler {
@@ -24,10 +32,12 @@ impl Scheduler {
         let mut plan: Vec<Planned> = Vec::new();
         let mut preempted: Vec<SeqId> = Vec::new();
 
-        let (decodes, prefills): (Vec<SeqId>, Vec<SeqId>) = self
-            .running
-            .iter()
-            .partition(|id| self.seqs.get(id).is_some_and(|s| s.num_uncomputed() == 1));
+        let ahead = |s: &super::request::Sequence| self.async_decode && s.can_decode_ahead();
+        let (decodes, prefills): (Vec<SeqId>, Vec<SeqId>) = self.running.iter().partition(|id| {
+            self.seqs
+                .get(id)
+                .is_some_and(|s| s.num_uncomputed() == 1 || ahead(s))
+        });
         for id in decodes.into_iter().chain(prefills) {
             if budget == 0 {
                 break;
@@ -39,11 +49,16 @@ impl Scheduler {
             else {
                 continue; // preempted earlier in this step
             };
-            let remaining = s.num_uncomputed();
+            let placeholder = self.async_decode && s.can_decode_ahead();
+            let remaining = if placeholder { 1 } else { s.num_uncomputed() };
             if remaining == 0 {
                 continue; // its decode is still in flight
             }
-            let drafts = if remaining == 1 { s.usable_drafts() } else { 0 };
+            let drafts = if remaining == 1 && !placeholder {
+                s.usable_drafts()
+            } else {
+                0
+            };
             let num_new = (remaining + drafts).min(budget);
             let start = s.num_computed_tokens;
             if self.allocate_or_preempt(id, start, num_new, &mut plan, &mut budget, &mut preempted)
@@ -53,6 +68,7 @@ impl Scheduler {
                     start,
                     num_new,
                     num_drafts: num_new.saturating_sub(remaining),
+                    placeholder,
                 });
                 budget -= num_new;
                 if let Some(s) = self.seqs.get_mut(&id) {
@@ -151,6 +167,7 @@ impl Scheduler {
                 start: hit.num_tokens,
                 num_new,
                 num_drafts: 0,
+                placeholder: false,
             });
             *budget -= num_new;
         }
@@ -162,9 +179,15 @@ impl Scheduler {
         let table = self.kv.block_table(p.id);
         let s = self.seqs.get_mut(&p.id)?;
         let real = p.num_new - p.num_drafts;
-        let mut token_ids = s.tokens[p.start..p.start + real].to_vec();
-        token_ids.extend_from_slice(&s.draft_tokens[..p.num_drafts]);
+        let (token_ids, wants_sample) = if p.placeholder {
+            (vec![PLACEHOLDER_TOKEN], true)
+        } else {
+            let mut t = s.tokens[p.start..p.start + real].to_vec();
+            t.extend_from_slice(&s.draft_tokens[..p.num_drafts]);
+            (t, p.start + real == s.tokens.len())
+        };
         s.draft_tokens.clear();
+        s.pending_samples += usize::from(wants_sample);
         let block_table = BlockTableDiff {
             num_kept: s.synced_blocks,
             new_blocks: table[s.synced_blocks.min(table.len())..].to_vec(),
@@ -177,7 +200,7 @@ impl Scheduler {
         s.known_to_runtime = true;
         Some(ScheduledSeq {
             seq: p.id,
-            wants_sample: p.start + real == s.tokens.len(),
+            wants_sample,
             token_ids,
             num_computed_tokens: p.start,
             num_draft_tokens: p.num_drafts,
@@ -185,6 +208,7 @@ impl Scheduler {
             num_cached_tokens: std::mem::take(&mut s.num_cached_tokens),
             new_seq,
             epoch: s.epoch,
+            placeholder: p.placeholder,
         })
     }
 }

@@ -34,6 +34,8 @@ pub struct Scheduler {
     /// Finished or aborted since the last `schedule()`.
     pub(super) finished_since_step: Vec<SeqId>,
     pub(super) stats: SchedulerStats,
+    /// Async scheduling: decodes may be scheduled one step ahead of their input token.
+    pub(super) async_decode: bool,
 }
 
 impl Scheduler {
@@ -48,7 +50,18 @@ impl Scheduler {
             requests: HashMap::new(),
             finished_since_step: Vec::new(),
             stats: SchedulerStats::default(),
+            async_decode: false,
         })
+    }
+
+    /// Async scheduling (off by default). When on, `schedule()` may be called again before
+    /// the previous step's results are applied, and a sequence whose sampled token is still
+    /// in flight gets its next decode at once: a one-token entry with
+    /// [`placeholder`](super::ScheduledSeq::placeholder) set, whose token the runtime fills
+    /// in from the step in flight. The runtime must run steps in the order they were
+    /// scheduled and apply their results in that order.
+    pub fn set_async_decode(&mut self, on: bool) {
+        self.async_decode = on;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -208,6 +221,7 @@ impl Scheduler {
             s.synced_blocks = 0;
             s.known_to_runtime = false;
             s.draft_tokens.clear();
+            s.pending_samples = 0;
         }
         self.waiting.push_front(id);
         self.stats.num_preemptions += 1;

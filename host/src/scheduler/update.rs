@@ -72,6 +72,9 @@ impl Scheduler {
                 "{id}: {tokens:?} is not an accepted prefix of drafts {drafts:?} plus one token"
             )));
         }
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.pending_samples = s.pending_samples.saturating_sub(1);
+        }
         let rejected = d + 1 - tokens.len();
         if rejected > 0 {
             let valid = self.kv.rollback(id, written - rejected);
