@@ -15,7 +15,7 @@ fn better(a: &Candidate, b: &Candidate) -> Ordering {
 }
 
 const CHUNK: usize = 64;
-const LANES: usize = 8;
+const LANES: usize = 16;
 
 /// The largest value of `chunk`, ignoring NaN (-inf if there is none); written with independent
 /// lanes so that it vectorizes.
@@ -23,6 +23,7 @@ fn chunk_max(chunk: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut it = chunk.chunks_exact(LANES);
     for v in &mut it {
+        let v: &[f32; LANES] = v.try_into().expect("chunks_exact yields whole lanes");
         for k in 0..LANES {
             if v[k] > acc[k] {
                 acc[k] = v[k];
@@ -38,29 +39,70 @@ fn chunk_max(chunk: &[f32]) -> f32 {
     m
 }
 
-const SCAN_CHUNK: usize = 16;
+/// The sparse path splits the row into groups and takes each group's maximum. A group is one
+/// lane of a block: block `b` holds logits `b*BLOCK .. (b+1)*BLOCK` as rows of `GROUP_LANES`,
+/// and lane `l` of it is every `GROUP_LANES`-th logit from `b*BLOCK + l` (`BLOCK_ROWS` of
+/// them). Column maxima of a block need no horizontal reduction, so the pass vectorizes. The
+/// tail after the last whole block is cut into contiguous groups of `GROUP_LANES`.
+const GROUP_LANES: usize = 16;
+const BLOCK_ROWS: usize = 32;
+const BLOCK: usize = GROUP_LANES * BLOCK_ROWS;
 const SPARSE_MIN_RATIO: usize = 4;
 
-/// The fast path for a large vocabulary: the k-th largest of the per-chunk maxima is a lower
-/// bound of the k-th largest logit (those k maxima are k distinct logits at least that large),
-/// so only chunks whose maximum reaches it are scanned. Returns false (leaving `out` empty)
-/// when the bound is useless (-inf), and the caller falls back to the one-pass scan.
+/// Each group's maximum, NaN ignored (-inf when it has no other value).
+fn group_maxima(logits: &[f32], maxima: &mut Vec<f32>) {
+    let mut blocks = logits.chunks_exact(BLOCK);
+    for block in &mut blocks {
+        let mut acc = [f32::NEG_INFINITY; GROUP_LANES];
+        for row in block.chunks_exact(GROUP_LANES) {
+            let row: &[f32; GROUP_LANES] = row.try_into().expect("chunks_exact yields whole rows");
+            for k in 0..GROUP_LANES {
+                if row[k] > acc[k] {
+                    acc[k] = row[k];
+                }
+            }
+        }
+        maxima.extend_from_slice(&acc);
+    }
+    maxima.extend(blocks.remainder().chunks(GROUP_LANES).map(chunk_max));
+}
+
+/// Calls `f(id, logit)` for every logit of group `g`.
+fn for_group(logits: &[f32], g: usize, mut f: impl FnMut(usize, f32)) {
+    let whole_groups = logits.len() / BLOCK * GROUP_LANES;
+    if g < whole_groups {
+        let start = g / GROUP_LANES * BLOCK + g % GROUP_LANES;
+        for i in (start..start + BLOCK).step_by(GROUP_LANES) {
+            f(i, logits[i]);
+        }
+    } else {
+        let start = logits.len() / BLOCK * BLOCK + (g - whole_groups) * GROUP_LANES;
+        for (i, &l) in logits.iter().enumerate().take(start + GROUP_LANES).skip(start) {
+            f(i, l);
+        }
+    }
+}
+
+/// The fast path for a large vocabulary: the k-th largest group maximum is a lower bound of
+/// the k-th largest logit (those k maxima are k distinct logits at least that large), so only
+/// groups whose maximum reaches it are scanned. Returns false (leaving `out` empty) when the
+/// bound is useless (-inf), and the caller falls back to the one-pass scan.
 fn sparse_top_k(logits: &[f32], k: usize, out: &mut Vec<Candidate>) -> bool {
-    let maxima: Vec<f32> = logits.chunks(SCAN_CHUNK).map(chunk_max).collect();
+    let mut maxima = Vec::with_capacity(logits.len() / BLOCK_ROWS + GROUP_LANES);
+    group_maxima(logits, &mut maxima);
     let mut order = maxima.clone();
     order.select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap_or(Ordering::Equal));
     let bound = order[k - 1];
     if bound == f32::NEG_INFINITY {
         return false;
     }
-    for (c, (chunk, &m)) in logits.chunks(SCAN_CHUNK).zip(&maxima).enumerate() {
-        if m < bound {
-            continue;
-        }
-        for (j, &l) in chunk.iter().enumerate() {
-            if l >= bound {
-                out.push(Candidate { id: (c * SCAN_CHUNK + j) as TokenId, logit: l });
-            }
+    for (g, &m) in maxima.iter().enumerate() {
+        if m >= bound {
+            for_group(logits, g, |i, l| {
+                if l >= bound {
+                    out.push(Candidate { id: i as TokenId, logit: l });
+                }
+            });
         }
     }
     if out.len() > k {
@@ -78,7 +120,7 @@ pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
     if k == 0 {
         return;
     }
-    if logits.len() >= SPARSE_MIN_RATIO * k * SCAN_CHUNK && sparse_top_k(logits, k, out) {
+    if logits.len() >= SPARSE_MIN_RATIO * k * BLOCK_ROWS && sparse_top_k(logits, k, out) {
         return;
     }
     // Keep a buffer of up to `cap` contenders; when it fills, cut it to the best k and raise
