@@ -4,6 +4,8 @@
 //! - `matvec/*` (one token, the decode case): throughput is weight bytes streamed (GB/s).
 //! - `tokens64/*` (64 tokens, the prefill case): throughput "elements" are FLOPs
 //!   (2 * rows * cols * 64), so Gelem/s reads as GFLOP/s.
+//! - `decode_step/*`: all matvecs of one decode step over distinct weights (~96 MB): the
+//!   time per token the matmuls cost when weights stream from L3/DRAM.
 //! - `overhead/*`: fixed costs of a pool job and of a tiny matvec.
 //! - `isa/*`: one matvec shape on every instruction-set level this CPU has.
 //!
@@ -84,6 +86,37 @@ fn bench(c: &mut Criterion) {
         g.bench_function(*name, |b| b.iter(|| matmul(&pool, w, &x, n, &mut y)));
     }
     g.finish();
+
+    // One decode step's matvecs over distinct weights (30 layers of q, k, v, o, gate, up,
+    // down, then the output head): ~96 MB, so weights stream from L3/DRAM as in a real step.
+    let mut g = c.benchmark_group("decode_step");
+    g.sample_size(20);
+    let layer = [
+        (576, 576),
+        (192, 576),
+        (192, 576),
+        (576, 576),
+        (1536, 576),
+        (1536, 576),
+        (576, 1536),
+    ];
+    let mut step: Vec<Weight> = (0..30)
+        .flat_map(|_| layer.iter().map(|&(r, k)| weight(DType::Q4_1, r, k)))
+        .collect();
+    step.push(weight(DType::Q8_0, 49152, 576));
+    let total: usize = step.iter().map(|w| w.bytes().len()).sum();
+    let x = activations(1536);
+    let mut y = vec![0f32; 49152];
+    g.throughput(Throughput::BytesDecimal(total as u64));
+    g.bench_function("smollm2_135m_matvecs", |b| {
+        b.iter(|| {
+            for w in &step {
+                matmul(&pool, w, &x[..w.cols], 1, &mut y[..w.rows]);
+            }
+        })
+    });
+    g.finish();
+    drop(step);
 
     // Fixed costs: an empty two-task job, and a matvec small enough to be all overhead.
     let mut g = c.benchmark_group("overhead");

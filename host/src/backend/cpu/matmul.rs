@@ -149,6 +149,29 @@ impl Plan {
     }
 }
 
+/// How far ahead of the tile being computed a task's first pass prefetches weight bytes:
+/// enough to cover DRAM latency at a core's streaming rate, so each new task (a new address
+/// stream the hardware prefetcher has not learnt yet) does not stall.
+const PREFETCH_BYTES: usize = 4096;
+
+/// Prefetches `len` bytes of `b` from offset `at` (clipped to `b`) into the cache.
+#[inline]
+fn prefetch(b: &[u8], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = (at + len).min(b.len());
+        let mut i = at;
+        while i < end {
+            // SAFETY: a prefetch is a hint that never faults, and `i` is inside `b` anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().add(i).cast()) };
+            i += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (b, at, len);
+}
+
 /// Tile sizes covering `n` items: 4 while at least 4 remain, then 1.
 fn steps(n: usize) -> impl Iterator<Item = (usize, usize)> {
     let mut at = 0;
@@ -190,10 +213,18 @@ fn run_direct(
     y: SyncPtr<f32>,
 ) {
     let (bytes, rb) = (w.bytes(), w.row_bytes());
+    let task_bytes = &bytes[rows.start * rb..rows.end * rb];
     let mut out = [0f32; 16];
     for (t0, tn) in steps(a.n_tokens) {
         for (dr, rn) in steps(rows.len()) {
             let r0 = rows.start + dr;
+            if t0 == 0 {
+                // First pass over these rows: keep PREFETCH_BYTES of weights in flight.
+                if dr == 0 {
+                    prefetch(task_bytes, 0, PREFETCH_BYTES);
+                }
+                prefetch(task_bytes, dr * rb + PREFETCH_BYTES, rn * rb);
+            }
             // SAFETY: `select` checked the ISA; rows r0..r0+rn lie within the weight, whose
             // byte length `matmul_with_isa` checked; `a` was built for this weight's columns
             // and n_tokens >= t0 + tn; this task alone writes rows `rows` of y.
