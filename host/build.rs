@@ -26,8 +26,18 @@ struct PluginCrate {
 }
 
 const PLUGINS: &[PluginCrate] = &[
-    PluginCrate { name: "greedy", dir: "plugins/greedy", package: "greedy-sampler", builtin: true },
-    PluginCrate { name: "standard", dir: "plugins/standard", package: "standard-sampler", builtin: true },
+    PluginCrate {
+        name: "greedy",
+        dir: "plugins/greedy",
+        package: "greedy-sampler",
+        builtin: true,
+    },
+    PluginCrate {
+        name: "standard",
+        dir: "plugins/standard",
+        package: "standard-sampler",
+        builtin: true,
+    },
     PluginCrate {
         name: "typical",
         dir: "examples/01-typical-sampler",
@@ -67,8 +77,14 @@ fn main() {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
     for p in PLUGINS {
-        println!("cargo:rerun-if-changed={}", root.join(p.dir).join("src").display());
-        println!("cargo:rerun-if-changed={}", root.join(p.dir).join("Cargo.toml").display());
+        println!(
+            "cargo:rerun-if-changed={}",
+            root.join(p.dir).join("src").display()
+        );
+        println!(
+            "cargo:rerun-if-changed={}",
+            root.join(p.dir).join("Cargo.toml").display()
+        );
     }
 
     ensure_wasm_target();
@@ -106,7 +122,10 @@ fn main() {
     }
     embedded.push_str("];\n");
     write_if_changed(&out_dir.join("builtin_plugins.rs"), embedded.as_bytes());
-    println!("cargo:rustc-env=DEEPINFER_TEST_PLUGIN_DIR={}", plugin_out.display());
+    println!(
+        "cargo:rustc-env=DEEPINFER_TEST_PLUGIN_DIR={}",
+        plugin_out.display()
+    );
 }
 
 fn env(key: &str) -> String {

@@ -21,7 +21,9 @@ fn logits(seed: u64) -> Vec<f32> {
     let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..VOCAB)
         .map(|_| {
-            z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((z >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
         })
         .collect()
@@ -29,7 +31,12 @@ fn logits(seed: u64) -> Vec<f32> {
 
 /// Typical chat sampling: temperature, nucleus, a light repetition penalty.
 fn params() -> SamplingParams {
-    SamplingParams { temperature: 0.8, top_p: 0.95, repetition_penalty: 1.1, ..Default::default() }
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        repetition_penalty: 1.1,
+        ..Default::default()
+    }
 }
 
 /// The same algorithm natively: host candidate selection, then the plugin crate's code.
@@ -42,8 +49,13 @@ impl BatchSampler for NativeStandard {
         rows.iter()
             .map(|r| {
                 top_k_into(r.logits, DEFAULT_TOP_K as usize, &mut top);
-                let cands: Vec<deepinfer_plugin_sdk::Candidate> =
-                    top.iter().map(|c| deepinfer_plugin_sdk::Candidate { id: c.id, logit: c.logit }).collect();
+                let cands: Vec<deepinfer_plugin_sdk::Candidate> = top
+                    .iter()
+                    .map(|c| deepinfer_plugin_sdk::Candidate {
+                        id: c.id,
+                        logit: c.logit,
+                    })
+                    .collect();
                 let p = r.params;
                 let sp = deepinfer_plugin_sdk::SamplingParams {
                     temperature: p.temperature,
@@ -73,18 +85,33 @@ impl BatchSampler for NativeStandard {
 fn per_step(c: &mut Criterion) {
     let cache = tempfile::tempdir().expect("tempdir");
     let host = PluginHost::new(&CacheDir::At(cache.path().to_path_buf())).expect("host");
-    let wasm = host.load_sampler(&Config::default(), "standard").expect("standard plugin");
-    let all_logits: Vec<Vec<f32>> = (0..*BATCHES.iter().max().unwrap_or(&1)).map(|i| logits(i as u64)).collect();
+    let wasm = host
+        .load_sampler(&Config::default(), "standard")
+        .expect("standard plugin");
+    let all_logits: Vec<Vec<f32>> = (0..*BATCHES.iter().max().unwrap_or(&1))
+        .map(|i| logits(i as u64))
+        .collect();
     let history: Vec<u32> = (0..200).map(|i| (i * 97) % VOCAB as u32).collect();
     let p = params();
     let mut group = c.benchmark_group("sample_step");
-    group.sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    group
+        .sample_size(10)
+        .measurement_time(std::time::Duration::from_secs(3));
     for &n in &BATCHES {
         let rows: Vec<SampleRow<'_>> = (0..n)
-            .map(|i| SampleRow { logits: &all_logits[i], params: &p, seed: i as u64, step: 3, history: &history })
+            .map(|i| SampleRow {
+                logits: &all_logits[i],
+                params: &p,
+                seed: i as u64,
+                step: 3,
+                history: &history,
+            })
             .collect();
-        let samplers: [(&str, &dyn BatchSampler); 3] =
-            [("wasm_standard", &wasm), ("native_standard", &NativeStandard), ("native_reference", &NativeSampler)];
+        let samplers: [(&str, &dyn BatchSampler); 3] = [
+            ("wasm_standard", &wasm),
+            ("native_standard", &NativeStandard),
+            ("native_reference", &NativeSampler),
+        ];
         for (name, s) in samplers {
             if name == "native_reference" && n > 32 {
                 continue; // sorts the whole vocabulary per row: seconds per step at 256
@@ -111,7 +138,9 @@ fn cold_start(c: &mut Criterion) {
     let dir = CacheDir::At(cache.path().to_path_buf());
     let config = Config::default();
     // Fill the cache once.
-    PluginHost::new(&dir).and_then(|h| h.load_sampler(&config, "standard")).expect("warm the cache");
+    PluginHost::new(&dir)
+        .and_then(|h| h.load_sampler(&config, "standard"))
+        .expect("warm the cache");
     let mut group = c.benchmark_group("cold_start");
     group.sample_size(20);
     group.bench_function("cached_engine_and_load", |b| {

@@ -133,7 +133,10 @@ impl Config {
     /// Parses config text; `origin` (the file it came from) is used in errors and to resolve
     /// relative paths.
     pub fn from_toml_str(text: &str, origin: Option<&Path>) -> Result<Config> {
-        let shown = origin.map_or_else(|| PathBuf::from("<embedded default config>"), Path::to_path_buf);
+        let shown = origin.map_or_else(
+            || PathBuf::from("<embedded default config>"),
+            Path::to_path_buf,
+        );
         let mut config: Config = toml::from_str(text).map_err(|e| Error::Config {
             path: shown.clone(),
             message: e.to_string().trim_end().to_string(),
@@ -155,7 +158,10 @@ impl Config {
             }
             config.source = Some(file.to_path_buf());
         }
-        config.check().map_err(|message| Error::Config { path: shown, message })?;
+        config.check().map_err(|message| Error::Config {
+            path: shown,
+            message,
+        })?;
         Ok(config)
     }
 
@@ -165,24 +171,35 @@ impl Config {
         for (name, p) in &self.plugins {
             match (&p.path, p.builtin) {
                 (Some(_), true) => {
-                    return Err(format!("[plugins.{name}]: set either `path` or `builtin = true`, not both"))
+                    return Err(format!(
+                        "[plugins.{name}]: set either `path` or `builtin = true`, not both"
+                    ))
                 }
                 (None, false) => {
-                    return Err(format!("[plugins.{name}]: set `path = \"file.wasm\"` or `builtin = true`"))
+                    return Err(format!(
+                        "[plugins.{name}]: set `path = \"file.wasm\"` or `builtin = true`"
+                    ))
                 }
                 _ => {}
             }
             if let Some(h) = &p.sha256 {
                 if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err(format!("[plugins.{name}] sha256: expected 64 hex digits, got {h:?}"));
+                    return Err(format!(
+                        "[plugins.{name}] sha256: expected 64 hex digits, got {h:?}"
+                    ));
                 }
             }
-            for (field, v) in [("memory_mib", p.memory_mib), ("time_limit_ms", p.time_limit_ms), ("pool_size", p.pool_size)] {
+            for (field, v) in [
+                ("memory_mib", p.memory_mib),
+                ("time_limit_ms", p.time_limit_ms),
+                ("pool_size", p.pool_size),
+            ] {
                 if v == Some(0) {
                     return Err(format!("[plugins.{name}] {field} must be at least 1"));
                 }
             }
-            p.settings_text().map_err(|e| format!("[plugins.{name}] settings: {e}"))?;
+            p.settings_text()
+                .map_err(|e| format!("[plugins.{name}] settings: {e}"))?;
         }
         Ok(())
     }
@@ -195,14 +212,27 @@ impl SamplerConfig {
         macro_rules! take {
             ($($f:ident),*) => { $( if let Some(v) = self.$f.clone() { p.$f = v; } )* };
         }
-        take!(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, max_tokens, stop, ignore_eos);
+        take!(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            max_tokens,
+            stop,
+            ignore_eos
+        );
         p.seed = self.seed;
         for (k, &b) in &self.logit_bias {
             let id: TokenId = k
                 .parse()
                 .map_err(|_| format!("[sampler] logit_bias: key {k:?} is not a token id"))?;
             if !b.is_finite() {
-                return Err(format!("[sampler] logit_bias: bias of token {id} must be finite"));
+                return Err(format!(
+                    "[sampler] logit_bias: bias of token {id} must be finite"
+                ));
             }
             p.logit_bias.push((id, b));
         }
@@ -245,10 +275,17 @@ mod tests {
     fn unknown_keys_name_the_key_and_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("bad.toml");
-        for text in ["[sampler]\ntemprature = 0.5\n", "[plugins.x]\nbuiltin = true\nmemory = 3\n", "colour = 1\n"] {
+        for text in [
+            "[sampler]\ntemprature = 0.5\n",
+            "[plugins.x]\nbuiltin = true\nmemory = 3\n",
+            "colour = 1\n",
+        ] {
             std::fs::write(&path, text).unwrap();
             let msg = Config::load(&path).unwrap_err().to_string();
-            let key = ["temprature", "memory", "colour"].into_iter().find(|k| text.contains(k)).unwrap();
+            let key = ["temprature", "memory", "colour"]
+                .into_iter()
+                .find(|k| text.contains(k))
+                .unwrap();
             assert!(msg.contains(key), "{msg}");
             assert!(msg.contains("bad.toml"), "{msg}");
         }
@@ -265,9 +302,13 @@ mod tests {
         assert_eq!((p.temperature, p.top_p, p.seed), (0.7, 0.9, Some(5)));
         assert_eq!(p.logit_bias, vec![(12, -3.5)]);
         assert_eq!(c.sampler.plugin, "greedy");
-        let bad = Config::from_toml_str("[sampler]\ntop_p = 1.5\n", None).unwrap_err().to_string();
+        let bad = Config::from_toml_str("[sampler]\ntop_p = 1.5\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(bad.contains("top_p"), "{bad}");
-        let bad = Config::from_toml_str("[sampler]\nlogit_bias = { abc = 1.0 }\n", None).unwrap_err().to_string();
+        let bad = Config::from_toml_str("[sampler]\nlogit_bias = { abc = 1.0 }\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(bad.contains("abc"), "{bad}");
     }
 
@@ -280,7 +321,10 @@ mod tests {
         let c = Config::load(&path).unwrap();
         let t = &c.plugins["t"];
         assert_eq!(t.path.as_deref(), Some(dir.path().join("t.wasm").as_path()));
-        assert_eq!(t.settings_text().unwrap(), vec![("mass".into(), "0.5".into()), ("name".into(), "x".into())]);
+        assert_eq!(
+            t.settings_text().unwrap(),
+            vec![("mass".into(), "0.5".into()), ("name".into(), "x".into())]
+        );
         for bad in [
             "[plugins.t]\npath = \"t.wasm\"\nbuiltin = true\n",
             "[plugins.t]\nsha256 = \"00\"\nbuiltin = true\n",

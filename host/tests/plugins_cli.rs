@@ -27,7 +27,9 @@ struct Cmd {
 }
 
 fn parse(args: &[&str]) -> PluginsArgs {
-    Cmd::try_parse_from(std::iter::once("plugins").chain(args.iter().copied())).expect("flags parse").args
+    Cmd::try_parse_from(std::iter::once("plugins").chain(args.iter().copied()))
+        .expect("flags parse")
+        .args
 }
 
 #[test]
@@ -48,7 +50,14 @@ fn check_fails_on_a_bad_pin() {
     std::env::set_var("DEEPINFER_CACHE_DIR", dir.path());
     let cfg = dir.path().join("c.toml");
     let path = common::test_plugin("typical");
-    std::fs::write(&cfg, format!("[plugins.t]\npath = {path:?}\nsha256 = \"{}\"\n", "0".repeat(64))).unwrap();
+    std::fs::write(
+        &cfg,
+        format!(
+            "[plugins.t]\npath = {path:?}\nsha256 = \"{}\"\n",
+            "0".repeat(64)
+        ),
+    )
+    .unwrap();
     let err = run(parse(&["--config", cfg.to_str().unwrap(), "check"])).unwrap_err();
     assert!(err.to_string().contains("failed the check"), "{err}");
 }
@@ -57,7 +66,11 @@ fn check_fails_on_a_bad_pin() {
 fn pack_refuses_a_module_without_plugin_exports() {
     let dir = tempfile::tempdir().unwrap();
     let core = dir.path().join("empty.wasm");
-    std::fs::write(&core, wat::parse_str("(module (memory (export \"memory\") 1))").unwrap()).unwrap();
+    std::fs::write(
+        &core,
+        wat::parse_str("(module (memory (export \"memory\") 1))").unwrap(),
+    )
+    .unwrap();
     let out = dir.path().join("out.wasm");
     let args = parse(&["pack", core.to_str().unwrap(), "-o", out.to_str().unwrap()]);
     assert!(run(args).is_err());
@@ -67,8 +80,18 @@ fn pack_refuses_a_module_without_plugin_exports() {
 #[test]
 fn pack_wraps_a_core_module_into_the_same_component_the_build_makes() {
     let dir = tempfile::tempdir().unwrap();
-    let core = std::path::PathBuf::from(env!("DEEPINFER_TEST_PLUGIN_DIR")).join("typical.core.wasm");
+    let core =
+        std::path::PathBuf::from(env!("DEEPINFER_TEST_PLUGIN_DIR")).join("typical.core.wasm");
     let out = dir.path().join("typical.wasm");
-    run(parse(&["pack", core.to_str().unwrap(), "-o", out.to_str().unwrap()])).expect("pack");
-    assert_eq!(common::sha_of(&out), common::sha_of(&common::test_plugin("typical")));
+    run(parse(&[
+        "pack",
+        core.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]))
+    .expect("pack");
+    assert_eq!(
+        common::sha_of(&out),
+        common::sha_of(&common::test_plugin("typical"))
+    );
 }

@@ -34,7 +34,14 @@ fn requests() -> Vec<(SamplingParams, u64)> {
         (p(1.3, 0, 1.0, 0.05, 1.0, 0.2), 13),
         (p(0.7, 5, 1.0, 0.0, 1.0, 0.0), 14),
         (p(1.0, 0, 0.5, 0.0, 1.3, 0.0), 15),
-        (SamplingParams { temperature: 1.0, logit_bias: vec![(7, 30.0)], ..Default::default() }, 16),
+        (
+            SamplingParams {
+                temperature: 1.0,
+                logit_bias: vec![(7, 30.0)],
+                ..Default::default()
+            },
+            16,
+        ),
         (p(2.0, 100, 0.9, 0.1, 1.0, 0.5), 17),
         (p(0.5, 0, 1.0, 0.0, 1.0, 0.0), 18),
     ]
@@ -46,9 +53,17 @@ fn generate(s: &dyn BatchSampler, n: usize, steps: u64) -> Vec<Vec<u32>> {
     let reqs = requests();
     let mut hist: Vec<Vec<u32>> = vec![vec![1, 2, 3]; n];
     for step in 0..steps {
-        let logits: Vec<Vec<f32>> = (0..n).map(|i| logits(100 + i as u64, step, VOCAB)).collect();
+        let logits: Vec<Vec<f32>> = (0..n)
+            .map(|i| logits(100 + i as u64, step, VOCAB))
+            .collect();
         let rows: Vec<SampleRow<'_>> = (0..n)
-            .map(|i| SampleRow { logits: &logits[i], params: &reqs[i].0, seed: reqs[i].1, step, history: &hist[i] })
+            .map(|i| SampleRow {
+                logits: &logits[i],
+                params: &reqs[i].0,
+                seed: reqs[i].1,
+                step,
+                history: &hist[i],
+            })
             .collect();
         let out = s.sample_batch(&rows);
         for (h, t) in hist.iter_mut().zip(out) {
@@ -64,7 +79,11 @@ fn seeded_outputs_are_identical_across_runs() {
     let (_b, second) = standard();
     let one = generate(&first, 8, 12);
     assert_eq!(one, generate(&second, 8, 12));
-    assert_eq!(one, generate(&first, 8, 12), "and on the same sampler again");
+    assert_eq!(
+        one,
+        generate(&first, 8, 12),
+        "and on the same sampler again"
+    );
 }
 
 #[test]
@@ -103,12 +122,27 @@ fn the_plugin_equals_its_algorithm_compiled_natively() {
     for (i, (p, seed)) in requests().into_iter().enumerate() {
         for step in 0..6u64 {
             let l = logits(7 + i as u64, step, VOCAB);
-            let hist = [5u32, 9, 9, top.first().map_or(0, |c: &deepinfer::sampling::Candidate| c.id)];
+            let hist = [
+                5u32,
+                9,
+                9,
+                top.first()
+                    .map_or(0, |c: &deepinfer::sampling::Candidate| c.id),
+            ];
             top_k_into(&l, DEFAULT_TOP_K as usize, &mut top);
-            let mut cands: Vec<Candidate> = top.iter().map(|c| Candidate { id: c.id, logit: c.logit }).collect();
+            let mut cands: Vec<Candidate> = top
+                .iter()
+                .map(|c| Candidate {
+                    id: c.id,
+                    logit: c.logit,
+                })
+                .collect();
             for &(t, _) in &p.logit_bias {
                 if !cands.iter().any(|c| c.id == t) {
-                    cands.push(Candidate { id: t, logit: l[t as usize] });
+                    cands.push(Candidate {
+                        id: t,
+                        logit: l[t as usize],
+                    });
                 }
             }
             let sp = SdkParams {
@@ -121,9 +155,21 @@ fn the_plugin_equals_its_algorithm_compiled_natively() {
                 frequency_penalty: p.frequency_penalty,
                 logit_bias: p.logit_bias.clone(),
             };
-            let row = Row { candidates: &cands, params: &sp, seed, step, history: &hist, logits: &[], vocab_size: VOCAB as u32 };
+            let row = Row {
+                candidates: &cands,
+                params: &sp,
+                seed,
+                step,
+                history: &hist,
+                logits: &[],
+                vocab_size: VOCAB as u32,
+            };
             let want = native.sample(&row).expect("native samples");
-            assert_eq!(sample_one(&wasm, &l, &p, seed, step, &hist), Ok(want), "request {i} step {step}");
+            assert_eq!(
+                sample_one(&wasm, &l, &p, seed, step, &hist),
+                Ok(want),
+                "request {i} step {step}"
+            );
         }
     }
 }

@@ -21,24 +21,40 @@ const DEEP_RECURSION: u64 = 1007;
 const ROW_ERROR: u64 = 1008;
 
 fn hostile(host: &deepinfer::plugins::PluginHost) -> WasmSampler {
-    let cfg = file_plugin_config("hostile", &test_plugin("hostile"), "memory_mib = 16\ntime_limit_ms = 40\npool_size = 2");
+    let cfg = file_plugin_config(
+        "hostile",
+        &test_plugin("hostile"),
+        "memory_mib = 16\ntime_limit_ms = 40\npool_size = 2",
+    );
     load(host, &cfg)
 }
 
 /// Runs one batch with the given seeds; good rows must get their argmax.
 fn run(s: &WasmSampler, seeds: &[u64]) -> Vec<Result<u32, String>> {
     let p = SamplingParams::default();
-    let logits: Vec<Vec<f32>> = (0..seeds.len()).map(|i| logits(i as u64, 0, 1000)).collect();
+    let logits: Vec<Vec<f32>> = (0..seeds.len())
+        .map(|i| logits(i as u64, 0, 1000))
+        .collect();
     let rows: Vec<SampleRow<'_>> = seeds
         .iter()
         .zip(&logits)
-        .map(|(&seed, l)| SampleRow { logits: l, params: &p, seed, step: 0, history: &[] })
+        .map(|(&seed, l)| SampleRow {
+            logits: l,
+            params: &p,
+            seed,
+            step: 0,
+            history: &[],
+        })
         .collect();
     let out = s.sample_batch(&rows);
     assert_eq!(out.len(), seeds.len());
     for ((seed, l), r) in seeds.iter().zip(&logits).zip(&out) {
         if *seed < 1000 {
-            assert_eq!(r.as_ref().ok(), Some(&argmax(l)), "good row (seed {seed}) must finish: {r:?}");
+            assert_eq!(
+                r.as_ref().ok(),
+                Some(&argmax(l)),
+                "good row (seed {seed}) must finish: {r:?}"
+            );
         }
     }
     out
@@ -50,7 +66,10 @@ fn expect_only_bad_row_fails(seed: u64, words: &[&str]) {
     let out = run(&s, &[1, seed, 2, 3]);
     let err = out[1].as_ref().expect_err("the hostile row fails");
     for w in words {
-        assert!(err.contains(w), "error for seed {seed} should mention {w:?}: {err}");
+        assert!(
+            err.contains(w),
+            "error for seed {seed} should mention {w:?}: {err}"
+        );
     }
     assert!(err.contains("hostile"), "names the plugin: {err}");
     // The sampler keeps serving: a clean batch after the failure.
@@ -102,7 +121,20 @@ fn a_row_error_fails_only_that_row() {
 fn every_hostile_row_in_one_batch_fails_alone() {
     let (_cache, host) = host();
     let s = hostile(&host);
-    let seeds = [1, LOOP, 2, GROW, PANIC, 3, OUT_OF_VOCAB, NOT_A_CANDIDATE, WRONG_COUNT, DEEP_RECURSION, ROW_ERROR, 4];
+    let seeds = [
+        1,
+        LOOP,
+        2,
+        GROW,
+        PANIC,
+        3,
+        OUT_OF_VOCAB,
+        NOT_A_CANDIDATE,
+        WRONG_COUNT,
+        DEEP_RECURSION,
+        ROW_ERROR,
+        4,
+    ];
     let out = run(&s, &seeds);
     for (seed, r) in seeds.iter().zip(&out) {
         assert_eq!(r.is_ok(), *seed < 1000, "seed {seed}: {r:?}");
@@ -113,12 +145,17 @@ fn every_hostile_row_in_one_batch_fails_alone() {
 fn a_wrong_sha256_names_the_file_and_both_hashes() {
     let path = test_plugin("hostile");
     let wrong = "ab".repeat(32);
-    let cfg = config(&format!("[sampler]\nplugin = \"h\"\n[plugins.h]\npath = {path:?}\nsha256 = \"{wrong}\"\n"));
+    let cfg = config(&format!(
+        "[sampler]\nplugin = \"h\"\n[plugins.h]\npath = {path:?}\nsha256 = \"{wrong}\"\n"
+    ));
     let (_cache, host) = host();
     let err = host.load_sampler(&cfg, "h").err().expect("refused");
     assert!(matches!(err, Error::PluginHashMismatch { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains(&wrong) && msg.contains(&sha_of(&path)) && msg.contains("hostile.wasm"), "{msg}");
+    assert!(
+        msg.contains(&wrong) && msg.contains(&sha_of(&path)) && msg.contains("hostile.wasm"),
+        "{msg}"
+    );
 }
 
 /// A component exporting `export` whose instantiation would trap at once (a core start
@@ -156,17 +193,26 @@ fn an_unknown_abi_major_is_refused_before_instantiation() {
         let err = load_bytes("future", bytes).err().expect("refused");
         assert!(matches!(err, Error::PluginAbi { .. }), "{err}");
         let msg = err.to_string();
-        assert!(msg.contains(version) && msg.contains("0.1.x") && msg.contains("future"), "{msg}");
+        assert!(
+            msg.contains(version) && msg.contains("0.1.x") && msg.contains("future"),
+            "{msg}"
+        );
     }
 }
 
 #[test]
 fn a_plugin_importing_wasi_is_refused() {
-    let bytes = component_exporting("deepinfer:plugin/sampler-api@0.1.0", Some("wasi:cli/environment@0.2.0"));
+    let bytes = component_exporting(
+        "deepinfer:plugin/sampler-api@0.1.0",
+        Some("wasi:cli/environment@0.2.0"),
+    );
     let err = load_bytes("wasi_user", bytes).err().expect("refused");
     assert!(matches!(err, Error::PluginImport { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("wasi:cli/environment@0.2.0") && msg.contains("wasm32-unknown-unknown"), "{msg}");
+    assert!(
+        msg.contains("wasi:cli/environment@0.2.0") && msg.contains("wasm32-unknown-unknown"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -176,5 +222,8 @@ fn a_valid_name_passes_the_static_check_but_not_the_world_check() {
     let bytes = component_exporting("deepinfer:plugin/sampler-api@0.1.0", None);
     let err = load_bytes("trapper", bytes).err().expect("refused");
     assert!(matches!(err, Error::Plugin { .. }), "{err}");
-    assert!(err.to_string().contains("does not match the sampler world"), "{err}");
+    assert!(
+        err.to_string().contains("does not match the sampler world"),
+        "{err}"
+    );
 }

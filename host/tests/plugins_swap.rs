@@ -27,7 +27,9 @@ fn tokens_with(config_text: &str) -> (Vec<u32>, Vec<u32>) {
         // Flat-ish logits so that sampling at temperature 1 really varies.
         let l: Vec<f32> = logits(3, step, 4096).iter().map(|v| v * 0.1).collect();
         argmaxes.push(argmax(&l));
-        picked.push(sample_one(&s, &l, &params, params.seed.unwrap_or(0), step, &[]).expect("sampled"));
+        picked.push(
+            sample_one(&s, &l, &params, params.seed.unwrap_or(0), step, &[]).expect("sampled"),
+        );
     }
     (picked, argmaxes)
 }
@@ -37,9 +39,19 @@ fn swapping_standard_for_greedy_in_toml_changes_behaviour() {
     let base = "temperature = 1.0\nseed = 7\n";
     let (standard, argmaxes) = tokens_with(&format!("[sampler]\nplugin = \"standard\"\n{base}"));
     let (greedy, _) = tokens_with(&format!("[sampler]\nplugin = \"greedy\"\n{base}"));
-    assert_eq!(greedy, argmaxes, "greedy always takes the argmax, whatever the temperature");
-    let differ = standard.iter().zip(&argmaxes).filter(|(a, b)| a != b).count();
-    assert!(differ > STEPS as usize / 4, "standard at temperature 1 samples ({differ} of {STEPS} differ)");
+    assert_eq!(
+        greedy, argmaxes,
+        "greedy always takes the argmax, whatever the temperature"
+    );
+    let differ = standard
+        .iter()
+        .zip(&argmaxes)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        differ > STEPS as usize / 4,
+        "standard at temperature 1 samples ({differ} of {STEPS} differ)"
+    );
     // Same file, same tokens: nothing else changed but the plugin name.
     let (again, _) = tokens_with(&format!("[sampler]\nplugin = \"standard\"\n{base}"));
     assert_eq!(standard, again);
@@ -58,7 +70,11 @@ fn the_third_party_example_loads_from_a_file_with_its_settings() {
     // A setting the plugin does not know fails loading, naming the setting.
     let bad = config(&text.replace("mass = 0.5", "mas = 0.5"));
     let (_cache, host) = host();
-    let err = host.load_sampler(&bad, "typical").err().expect("refused").to_string();
+    let err = host
+        .load_sampler(&bad, "typical")
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(err.contains("mas") && err.contains("configure"), "{err}");
 }
 
@@ -94,11 +110,23 @@ fn build_sampler_uses_the_sampler_the_config_names() {
     let cfg = config("[sampler]\nplugin = \"greedy\"\n");
     let s = deepinfer::plugins::build_sampler(&cfg).expect("builds");
     let l = logits(1, 0, 1000);
-    let p = deepinfer::sampling::SamplingParams { temperature: 2.0, ..Default::default() };
+    let p = deepinfer::sampling::SamplingParams {
+        temperature: 2.0,
+        ..Default::default()
+    };
     assert_eq!(sample_one(&*s, &l, &p, 1, 0, &[]), Ok(argmax(&l)));
-    assert!(dir.path().join("plugins").read_dir().unwrap().count() > 0, "compiled form cached");
+    assert!(
+        dir.path().join("plugins").read_dir().unwrap().count() > 0,
+        "compiled form cached"
+    );
     let missing = config("[sampler]\nplugin = \"nonesuch\"\n");
-    let err = deepinfer::plugins::build_sampler(&missing).err().expect("unknown plugin").to_string();
-    assert!(err.contains("nonesuch") && err.contains("standard"), "{err}");
+    let err = deepinfer::plugins::build_sampler(&missing)
+        .err()
+        .expect("unknown plugin")
+        .to_string();
+    assert!(
+        err.contains("nonesuch") && err.contains("standard"),
+        "{err}"
+    );
     let _: &dyn BatchSampler = &*s;
 }

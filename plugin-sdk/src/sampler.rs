@@ -106,7 +106,7 @@ macro_rules! export_sampler {
                 }
             }
 
-            $crate::bindings::sampler::export_world!(Glue with_types_in $crate::bindings::sampler);
+    $crate::bindings::sampler::export_world!(Glue with_types_in $crate::bindings::sampler);
         };
     };
 }
@@ -165,7 +165,10 @@ pub mod __glue {
         }
     }
 
-    pub fn sample<S: Sampler>(state: &RefCell<Option<S>>, batch: api::Batch) -> Vec<Result<TokenId, String>> {
+    pub fn sample<S: Sampler>(
+        state: &RefCell<Option<S>>,
+        batch: api::Batch,
+    ) -> Vec<Result<TokenId, String>> {
         let n = batch.rows.len();
         let fail = |msg: String| (0..n).map(|_| Err(msg.clone())).collect();
         let total_cands: u64 = batch.rows.iter().map(|r| r.candidates as u64).sum();
@@ -184,8 +187,11 @@ pub mod __glue {
             .zip(&batch.candidate_logits)
             .map(|(&id, &logit)| Candidate { id, logit })
             .collect();
-        let row_params: Vec<SamplingParams> =
-            batch.rows.iter().map(|r| params(r.params.clone())).collect();
+        let row_params: Vec<SamplingParams> = batch
+            .rows
+            .iter()
+            .map(|r| params(r.params.clone()))
+            .collect();
         let mut rows = Vec::with_capacity(n);
         let (mut c, mut h) = (0usize, 0usize);
         for (i, r) in batch.rows.iter().enumerate() {

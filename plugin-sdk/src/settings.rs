@@ -37,11 +37,15 @@ impl Settings {
 
     /// Fails on the first key not in `known`, naming it and the known ones.
     pub fn reject_unknown(&self, known: &[&str]) -> Result<(), String> {
-        match self.entries.iter().find(|(k, _)| !known.contains(&k.as_str())) {
+        match self
+            .entries
+            .iter()
+            .find(|(k, _)| !known.contains(&k.as_str()))
+        {
             None => Ok(()),
-            Some((k, _)) if known.is_empty() => {
-                Err(format!("unknown setting `{k}` (this plugin takes no settings)"))
-            }
+            Some((k, _)) if known.is_empty() => Err(format!(
+                "unknown setting `{k}` (this plugin takes no settings)"
+            )),
             Some((k, _)) => Err(format!(
                 "unknown setting `{k}` (known: {})",
                 known.join(", ")
@@ -59,7 +63,12 @@ mod tests {
     use super::*;
 
     fn s(pairs: &[(&str, &str)]) -> Settings {
-        Settings::new(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        Settings::new(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
     }
 
     #[test]

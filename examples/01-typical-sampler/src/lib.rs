@@ -30,7 +30,11 @@ pub struct Typical {
 
 impl Default for Typical {
     fn default() -> Self {
-        Typical { mass: 0.95, order: Vec::new(), probs: Vec::new() }
+        Typical {
+            mass: 0.95,
+            order: Vec::new(),
+            probs: Vec::new(),
+        }
     }
 }
 
@@ -58,19 +62,33 @@ impl Sampler for Typical {
         self.probs.clear();
         self.probs.extend(c.iter().map(|c| {
             let l = c.logit as f64;
-            if l.is_nan() { 0.0 } else { ((l - max) / t).exp() }
+            if l.is_nan() {
+                0.0
+            } else {
+                ((l - max) / t).exp()
+            }
         }));
         let total: f64 = self.probs.iter().sum();
         if !(total > 0.0) {
             return Err("no candidate has a finite logit".into());
         }
         self.probs.iter_mut().for_each(|p| *p /= total);
-        let entropy: f64 = self.probs.iter().filter(|&&p| p > 0.0).map(|&p| -p * p.ln()).sum();
+        let entropy: f64 = self
+            .probs
+            .iter()
+            .filter(|&&p| p > 0.0)
+            .map(|&p| -p * p.ln())
+            .sum();
         self.order.clear();
-        self.order.extend(self.probs.iter().enumerate().filter(|(_, &p)| p > 0.0).map(|(i, &p)| {
-            ((-p.ln() - entropy).abs(), i)
-        }));
-        self.order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        self.order.extend(
+            self.probs
+                .iter()
+                .enumerate()
+                .filter(|(_, &p)| p > 0.0)
+                .map(|(i, &p)| ((-p.ln() - entropy).abs(), i)),
+        );
+        self.order
+            .sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let mut kept = 0;
         let mut acc = 0.0;
         for &(_, i) in &self.order {
@@ -103,11 +121,23 @@ mod tests {
         // One dominant token (surprisal far below the entropy) and a flat tail.
         let mut c = vec![Candidate { id: 0, logit: 0.0 }];
         c.extend((1..40).map(|i| Candidate { id: i, logit: -3.0 }));
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
         let mut s = Typical::default();
-        s.configure(&Settings::new(vec![("mass".into(), "0.2".into())])).unwrap();
+        s.configure(&Settings::new(vec![("mass".into(), "0.2".into())]))
+            .unwrap();
         for step in 0..100 {
-            let row = Row { candidates: &c, params: &p, seed: 5, step, history: &[], logits: &[], vocab_size: 40 };
+            let row = Row {
+                candidates: &c,
+                params: &p,
+                seed: 5,
+                step,
+                history: &[],
+                logits: &[],
+                vocab_size: 40,
+            };
             let id = s.sample(&row).unwrap();
             assert_ne!(id, 0, "the dominant token is not typical here");
         }
@@ -116,7 +146,11 @@ mod tests {
     #[test]
     fn rejects_bad_settings() {
         let mut s = Typical::default();
-        assert!(s.configure(&Settings::new(vec![("mass".into(), "1.5".into())])).is_err());
-        assert!(s.configure(&Settings::new(vec![("mas".into(), "0.5".into())])).is_err());
+        assert!(s
+            .configure(&Settings::new(vec![("mass".into(), "1.5".into())]))
+            .is_err());
+        assert!(s
+            .configure(&Settings::new(vec![("mas".into(), "0.5".into())]))
+            .is_err());
     }
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use crate::config::Config;
-use crate::plugins::{self, CacheDir, Origin, PluginEngine, PluginHost, PluginKind, PluginSource, WasmSampler};
+use crate::plugins::{
+    self, CacheDir, Origin, PluginEngine, PluginHost, PluginKind, PluginSource, WasmSampler,
+};
 use crate::sampling::{BatchSampler, SampleRow, SamplingParams};
 
 /// Inspect and check plugins.
@@ -109,12 +111,17 @@ fn list(config: &Config) -> anyhow::Result<()> {
 /// pinned: inspecting a file is how one learns its hash).
 fn source_for(config: &Config, plugin: &str) -> anyhow::Result<PluginSource> {
     let path = PathBuf::from(plugin);
-    if config.plugins.contains_key(plugin) || plugins::builtin_names().contains(&plugin) || !path.exists() {
+    if config.plugins.contains_key(plugin)
+        || plugins::builtin_names().contains(&plugin)
+        || !path.exists()
+    {
         return Ok(PluginSource::from_config(config, plugin)?);
     }
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     Ok(PluginSource {
-        name: path.file_stem().map_or_else(|| plugin.to_string(), |s| s.to_string_lossy().into_owned()),
+        name: path
+            .file_stem()
+            .map_or_else(|| plugin.to_string(), |s| s.to_string_lossy().into_owned()),
         origin: Origin::File(path),
         sha256: plugins::sha256_hex(&bytes),
         bytes: bytes.into(),
@@ -132,21 +139,43 @@ fn inspect(config: &Config, plugin: &str) -> anyhow::Result<()> {
     let summary = plugins::inspect_component(&source.name, &source.bytes)?;
     println!("kind:      {}", summary.kind);
     println!("abi:       deepinfer:plugin@{}", summary.abi);
-    println!("imports:   {}", if summary.imports.is_empty() { "(none)".into() } else { summary.imports.join(", ") });
+    println!(
+        "imports:   {}",
+        if summary.imports.is_empty() {
+            "(none)".into()
+        } else {
+            summary.imports.join(", ")
+        }
+    );
     println!("exports:   {}", summary.exports.join(", "));
     let l = source.limits;
-    println!("limits:    {} MiB memory, {} ms per call, {} instances", l.memory_mib, l.time_limit_ms, l.pool_size);
+    println!(
+        "limits:    {} MiB memory, {} ms per call, {} instances",
+        l.memory_mib, l.time_limit_ms, l.pool_size
+    );
     for (k, v) in &source.settings {
         println!("setting:   {k} = {v}");
     }
     let host = PluginHost::new(&CacheDir::Default)?;
-    println!("cached:    {}", if host.engine().is_cached(&source.sha256) { "yes" } else { "no (compiling now)" });
+    println!(
+        "cached:    {}",
+        if host.engine().is_cached(&source.sha256) {
+            "yes"
+        } else {
+            "no (compiling now)"
+        }
+    );
     if summary.kind == PluginKind::Sampler {
         let s = WasmSampler::load(host.engine().clone(), &source)?;
         let m = s.manifest();
         println!("plugin:    {} {}", m.name, m.version);
         println!("about:     {}", m.description);
-        println!("wants:     top {} candidates{}, history: {}", m.top_k, if m.full_logits { " + full logits" } else { "" }, m.history);
+        println!(
+            "wants:     top {} candidates{}, history: {}",
+            m.top_k,
+            if m.full_logits { " + full logits" } else { "" },
+            m.history
+        );
     }
     Ok(())
 }
@@ -172,28 +201,55 @@ fn check_one(config: &Config, host: &PluginHost, name: &str) -> anyhow::Result<S
     let source = PluginSource::from_config(config, name)?;
     let summary = plugins::inspect_component(name, &source.bytes)?;
     if summary.kind != PluginKind::Sampler {
-        return Ok(format!("{} plugin, ABI {} (static check only)", summary.kind, summary.abi));
+        return Ok(format!(
+            "{} plugin, ABI {} (static check only)",
+            summary.kind, summary.abi
+        ));
     }
     let sampler = Arc::new(WasmSampler::load(host.engine().clone(), &source)?);
     let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 / 10.0).collect();
-    let params = [SamplingParams::default(), SamplingParams { temperature: 1.0, top_p: 0.9, ..Default::default() }];
+    let params = [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            ..Default::default()
+        },
+    ];
     let rows: Vec<SampleRow<'_>> = params
         .iter()
-        .map(|p| SampleRow { logits: &logits, params: p, seed: 1, step: 0, history: &[] })
+        .map(|p| SampleRow {
+            logits: &logits,
+            params: p,
+            seed: 1,
+            step: 0,
+            history: &[],
+        })
         .collect();
     for (i, r) in sampler.sample_batch(&rows).into_iter().enumerate() {
         r.map_err(|e| anyhow::anyhow!("test row {i}: {e}"))?;
     }
-    Ok(format!("sampler, ABI {}, sha256 {}", summary.abi, source.sha256))
+    Ok(format!(
+        "sampler, ABI {}, sha256 {}",
+        summary.abi, source.sha256
+    ))
 }
 
 fn pack(core: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
     let bytes = std::fs::read(core).with_context(|| format!("reading {}", core.display()))?;
-    let name = core.file_stem().map_or_else(|| "plugin".into(), |s| s.to_string_lossy().into_owned());
+    let name = core
+        .file_stem()
+        .map_or_else(|| "plugin".into(), |s| s.to_string_lossy().into_owned());
     let component = plugins::pack_component(&name, &bytes)?;
     std::fs::write(output, &component).with_context(|| format!("writing {}", output.display()))?;
     let summary = plugins::inspect_component(&name, &component)?;
-    println!("wrote {} ({} plugin, ABI {}, {} bytes)", output.display(), summary.kind, summary.abi, component.len());
+    println!(
+        "wrote {} ({} plugin, ABI {}, {} bytes)",
+        output.display(),
+        summary.kind,
+        summary.abi,
+        component.len()
+    );
     println!("sha256 {}", plugins::sha256_hex(&component));
     Ok(())
 }

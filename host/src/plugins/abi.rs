@@ -12,7 +12,11 @@ use crate::error::{Error, Result};
 pub const PACKAGE: &str = "deepinfer:plugin";
 
 /// ABI versions this host loads. Each is frozen under `plugin-sdk/wit/vX.Y.Z/`.
-pub const SUPPORTED: &[AbiVersion] = &[AbiVersion { major: 0, minor: 1, patch: 0 }];
+pub const SUPPORTED: &[AbiVersion] = &[AbiVersion {
+    major: 0,
+    minor: 1,
+    patch: 0,
+}];
 
 /// Interfaces a plugin may import (besides nothing at all).
 const IMPORTABLE: &[&str] = &["types", "host"];
@@ -29,7 +33,11 @@ impl AbiVersion {
     /// Parses `MAJOR.MINOR.PATCH` (pre-release or build suffixes are refused).
     pub fn parse(text: &str) -> Option<AbiVersion> {
         let mut it = text.split('.').map(|p| p.parse::<u64>().ok());
-        let v = AbiVersion { major: it.next()??, minor: it.next()??, patch: it.next()?? };
+        let v = AbiVersion {
+            major: it.next()??,
+            minor: it.next()??,
+            patch: it.next()??,
+        };
         it.next().is_none().then_some(v)
     }
 
@@ -77,8 +85,12 @@ pub enum PluginKind {
 }
 
 impl PluginKind {
-    pub const ALL: [PluginKind; 4] =
-        [PluginKind::Sampler, PluginKind::Constraint, PluginKind::DraftScheduler, PluginKind::Eplb];
+    pub const ALL: [PluginKind; 4] = [
+        PluginKind::Sampler,
+        PluginKind::Constraint,
+        PluginKind::DraftScheduler,
+        PluginKind::Eplb,
+    ];
 
     /// The interface the kind's world exports.
     pub fn interface(self) -> &'static str {
@@ -125,14 +137,19 @@ fn split_name(full: &str) -> Option<(&str, &str)> {
 /// Reads a component's top-level imports and exports and checks them against the ABI. Errors
 /// name `plugin`. Nothing is compiled or run.
 pub fn inspect(plugin: &str, bytes: &[u8]) -> Result<Summary> {
-    let fail = |reason: String| Error::Plugin { plugin: plugin.to_string(), reason };
+    let fail = |reason: String| Error::Plugin {
+        plugin: plugin.to_string(),
+        reason,
+    };
     let (imports, exports) = top_level_names(bytes).map_err(fail)?;
 
     // The export says the kind and the ABI version; check it first, so that a plugin of an
     // unknown ABI is reported as such rather than by its (equally unknown) imports.
     let mut found: Option<(PluginKind, &str)> = None;
     for name in &exports {
-        let Some((iface, version)) = split_name(name) else { continue };
+        let Some((iface, version)) = split_name(name) else {
+            continue;
+        };
         let kind = PluginKind::ALL.into_iter().find(|k| k.interface() == iface);
         if let Some(kind) = kind {
             if found.is_some() {
@@ -144,10 +161,15 @@ pub fn inspect(plugin: &str, bytes: &[u8]) -> Result<Summary> {
     let Some((kind, version_text)) = found else {
         return Err(fail(format!(
             "exports no {PACKAGE} plugin interface (it exports: {})",
-            if exports.is_empty() { "nothing".to_string() } else { exports.join(", ") }
+            if exports.is_empty() {
+                "nothing".to_string()
+            } else {
+                exports.join(", ")
+            }
         )));
     };
-    let abi = AbiVersion::parse(version_text).ok_or_else(|| fail(format!("bad ABI version `{version_text}`")))?;
+    let abi = AbiVersion::parse(version_text)
+        .ok_or_else(|| fail(format!("bad ABI version `{version_text}`")))?;
     if !abi.is_supported() {
         return Err(Error::PluginAbi {
             plugin: plugin.to_string(),
@@ -157,13 +179,22 @@ pub fn inspect(plugin: &str, bytes: &[u8]) -> Result<Summary> {
     }
     for name in &imports {
         let allowed = split_name(name).is_some_and(|(iface, v)| {
-            IMPORTABLE.contains(&iface) && AbiVersion::parse(v).is_some_and(|v| v.series() == abi.series())
+            IMPORTABLE.contains(&iface)
+                && AbiVersion::parse(v).is_some_and(|v| v.series() == abi.series())
         });
         if !allowed {
-            return Err(Error::PluginImport { plugin: plugin.to_string(), import: name.clone() });
+            return Err(Error::PluginImport {
+                plugin: plugin.to_string(),
+                import: name.clone(),
+            });
         }
     }
-    Ok(Summary { kind, abi, imports, exports })
+    Ok(Summary {
+        kind,
+        abi,
+        imports,
+        exports,
+    })
 }
 
 /// The names of a component's top-level imports and exports.
@@ -175,9 +206,11 @@ fn top_level_names(bytes: &[u8]) -> std::result::Result<(Vec<String>, Vec<String
         let payload = payload.map_err(|e| format!("not a valid WebAssembly component: {e}"))?;
         match payload {
             Payload::Version { encoding, .. } if depth == 0 && encoding != Encoding::Component => {
-                return Err("is a core WebAssembly module, not a component; wrap it with \
+                return Err(
+                    "is a core WebAssembly module, not a component; wrap it with \
                             `deepinfer plugins pack` (or scripts/build-plugin.sh)"
-                    .into());
+                        .into(),
+                );
             }
             Payload::ModuleSection { .. } | Payload::ComponentSection { .. } => depth += 1,
             Payload::End(_) => depth = depth.saturating_sub(1),
@@ -219,7 +252,10 @@ mod tests {
     fn a_core_module_is_refused_with_a_hint() {
         let core = wat::parse_str("(module)").unwrap();
         let e = inspect("x", &core).unwrap_err().to_string();
-        assert!(e.contains("core WebAssembly module") && e.contains("pack"), "{e}");
+        assert!(
+            e.contains("core WebAssembly module") && e.contains("pack"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -5,7 +5,10 @@ include!(concat!(env!("OUT_DIR"), "/builtin_plugins.rs"));
 
 /// The component of the builtin plugin `name`.
 pub fn get(name: &str) -> Option<&'static [u8]> {
-    BUILTIN_COMPONENTS.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
+    BUILTIN_COMPONENTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, b)| *b)
 }
 
 /// Names of the builtin plugins.

@@ -25,7 +25,11 @@ impl CacheDir {
             CacheDir::Disabled => None,
             CacheDir::At(p) => Some(p.clone()),
             CacheDir::Default => {
-                let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+                let var = |k: &str| {
+                    std::env::var_os(k)
+                        .filter(|v| !v.is_empty())
+                        .map(PathBuf::from)
+                };
                 if let Some(d) = var("DEEPINFER_CACHE_DIR") {
                     return Some(d.join("plugins"));
                 }
@@ -94,7 +98,10 @@ mod tests {
         assert_eq!(engine_key(&engine).len(), 16);
         let d = Path::new("/c");
         assert_ne!(entry_path(d, "aa", "k"), entry_path(d, "ab", "k"));
-        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 
     #[test]

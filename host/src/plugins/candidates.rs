@@ -77,7 +77,12 @@ fn for_group(logits: &[f32], g: usize, mut f: impl FnMut(usize, f32)) {
         }
     } else {
         let start = logits.len() / BLOCK * BLOCK + (g - whole_groups) * GROUP_LANES;
-        for (i, &l) in logits.iter().enumerate().take(start + GROUP_LANES).skip(start) {
+        for (i, &l) in logits
+            .iter()
+            .enumerate()
+            .take(start + GROUP_LANES)
+            .skip(start)
+        {
             f(i, l);
         }
     }
@@ -100,7 +105,10 @@ fn sparse_top_k(logits: &[f32], k: usize, out: &mut Vec<Candidate>) -> bool {
         if m >= bound {
             for_group(logits, g, |i, l| {
                 if l >= bound {
-                    out.push(Candidate { id: i as TokenId, logit: l });
+                    out.push(Candidate {
+                        id: i as TokenId,
+                        logit: l,
+                    });
                 }
             });
         }
@@ -139,7 +147,10 @@ pub fn top_k_into(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
             if cut && l <= bar {
                 continue;
             }
-            out.push(Candidate { id: (c * CHUNK + j) as TokenId, logit: l });
+            out.push(Candidate {
+                id: (c * CHUNK + j) as TokenId,
+                logit: l,
+            });
             if out.len() == cap {
                 out.select_nth_unstable_by(k - 1, better);
                 out.truncate(k);
@@ -201,11 +212,15 @@ mod tests {
 
     #[test]
     fn handles_a_large_vocabulary() {
-        let ties: Vec<f32> = (0..49_152u32).map(|i| ((i * 7919) % 10007) as f32).collect();
+        let ties: Vec<f32> = (0..49_152u32)
+            .map(|i| ((i * 7919) % 10007) as f32)
+            .collect();
         let mut z = 7u64;
         let random: Vec<f32> = (0..49_152)
             .map(|_| {
-                z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                z = z
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (z >> 40) as f32
             })
             .collect();

@@ -63,7 +63,10 @@ impl PluginEngine {
                 }
             })
             .map_err(|e| engine_error(format!("cannot start the epoch ticker thread: {e}")))?;
-        me.ticker = Some(Ticker { stop, handle: Some(handle) });
+        me.ticker = Some(Ticker {
+            stop,
+            handle: Some(handle),
+        });
         Ok(Arc::new(me))
     }
 
@@ -72,7 +75,12 @@ impl PluginEngine {
     pub fn without_ticker(cache: &CacheDir) -> Result<PluginEngine> {
         let engine = Engine::new(&engine_config()).map_err(|e| engine_error(e.to_string()))?;
         let engine_key = cache::engine_key(&engine);
-        Ok(PluginEngine { engine, cache_dir: cache.resolve(), engine_key, ticker: None })
+        Ok(PluginEngine {
+            engine,
+            cache_dir: cache.resolve(),
+            engine_key,
+            ticker: None,
+        })
     }
 
     pub fn engine(&self) -> &Engine {
@@ -86,7 +94,9 @@ impl PluginEngine {
 
     /// The cache file a component with this sha256 would use, if caching is on.
     pub fn cache_path(&self, sha256: &str) -> Option<PathBuf> {
-        self.cache_dir.as_ref().map(|d| cache::entry_path(d, sha256, &self.engine_key))
+        self.cache_dir
+            .as_ref()
+            .map(|d| cache::entry_path(d, sha256, &self.engine_key))
     }
 
     /// Whether a compiled form of the component is cached.
@@ -105,7 +115,9 @@ impl PluginEngine {
             // the header and the engine compatibility before using it.
             match unsafe { Component::deserialize_file(&self.engine, p) } {
                 Ok(c) => return Ok(c),
-                Err(e) => tracing::warn!(plugin, path = %p.display(), "ignoring unusable cached plugin: {e}"),
+                Err(e) => {
+                    tracing::warn!(plugin, path = %p.display(), "ignoring unusable cached plugin: {e}")
+                }
             }
         }
         let component = Component::new(&self.engine, bytes).map_err(|e| Error::Plugin {
@@ -127,5 +139,8 @@ impl PluginEngine {
 }
 
 fn engine_error(reason: String) -> Error {
-    Error::Plugin { plugin: "<engine>".into(), reason }
+    Error::Plugin {
+        plugin: "<engine>".into(),
+        reason,
+    }
 }

@@ -27,7 +27,11 @@ pub struct PluginLimits {
 
 impl Default for PluginLimits {
     fn default() -> Self {
-        PluginLimits { memory_mib: 64, time_limit_ms: 100, pool_size: 4 }
+        PluginLimits {
+            memory_mib: 64,
+            time_limit_ms: 100,
+            pool_size: 4,
+        }
     }
 }
 
@@ -210,10 +214,26 @@ mod tests {
 
     #[test]
     fn limits_come_from_config_with_defaults() {
-        let c = PluginConfig { memory_mib: Some(8), ..Default::default() };
+        let c = PluginConfig {
+            memory_mib: Some(8),
+            ..Default::default()
+        };
         let l = PluginLimits::from_config(Some(&c));
-        assert_eq!(l, PluginLimits { memory_mib: 8, ..Default::default() });
-        assert_eq!(PluginLimits { time_limit_ms: 20, ..l }.deadline_ticks(), 21);
+        assert_eq!(
+            l,
+            PluginLimits {
+                memory_mib: 8,
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            PluginLimits {
+                time_limit_ms: 20,
+                ..l
+            }
+            .deadline_ticks(),
+            21
+        );
     }
 
     #[test]

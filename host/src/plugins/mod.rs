@@ -49,7 +49,9 @@ pub struct PluginHost {
 impl PluginHost {
     /// Starts an engine (and its epoch ticker) caching compiled plugins in `cache`.
     pub fn new(cache: &CacheDir) -> Result<PluginHost> {
-        Ok(PluginHost { engine: PluginEngine::new(cache)? })
+        Ok(PluginHost {
+            engine: PluginEngine::new(cache)?,
+        })
     }
 
     pub fn engine(&self) -> &Arc<PluginEngine> {
@@ -86,5 +88,9 @@ pub fn describe(config: &Config, name: &str, engine: &PluginEngine) -> Result<Pl
     let source = PluginSource::from_config(config, name)?;
     let summary = abi::inspect(name, &source.bytes).map_err(|e| e.to_string());
     let cached = engine.is_cached(&source.sha256);
-    Ok(PluginDescription { source, summary, cached })
+    Ok(PluginDescription {
+        source,
+        summary,
+        cached,
+    })
 }

@@ -6,7 +6,10 @@ use crate::error::{Error, Result};
 
 /// The component for `core`, checked like any plugin the host loads.
 pub fn pack_component(name: &str, core: &[u8]) -> Result<Vec<u8>> {
-    let fail = |reason: String| Error::Plugin { plugin: name.to_string(), reason };
+    let fail = |reason: String| Error::Plugin {
+        plugin: name.to_string(),
+        reason,
+    };
     let component = wit_component::ComponentEncoder::default()
         .module(core)
         .and_then(|e| e.validate(true).encode())

@@ -18,7 +18,14 @@ pub struct Pool<T> {
 
 impl<T> Pool<T> {
     pub fn new(max: usize) -> Self {
-        Pool { state: Mutex::new(State { idle: Vec::new(), live: 0 }), freed: Condvar::new(), max: max.max(1) }
+        Pool {
+            state: Mutex::new(State {
+                idle: Vec::new(),
+                live: 0,
+            }),
+            freed: Condvar::new(),
+            max: max.max(1),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {

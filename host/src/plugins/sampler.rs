@@ -65,7 +65,10 @@ impl WasmSampler {
     /// and reads its manifest. Every error names the plugin.
     pub fn load(engine: Arc<PluginEngine>, source: &PluginSource) -> Result<WasmSampler> {
         let name: Arc<str> = source.name.as_str().into();
-        let fail = |reason: String| Error::Plugin { plugin: source.name.clone(), reason };
+        let fail = |reason: String| Error::Plugin {
+            plugin: source.name.clone(),
+            reason,
+        };
         let summary = super::abi::inspect(&source.name, &source.bytes)?;
         if summary.kind != PluginKind::Sampler {
             return Err(fail(format!("is a {} plugin, not a sampler", summary.kind)));
@@ -100,7 +103,9 @@ impl WasmSampler {
         };
         let mut first = sampler.instantiate().map_err(fail)?;
         let m = sampler
-            .call(&mut first, |w, s| w.deepinfer_plugin_sampler_api().call_manifest(s))
+            .call(&mut first, |w, s| {
+                w.deepinfer_plugin_sampler_api().call_manifest(s)
+            })
             .map_err(|e| fail(format!("manifest: {e}")))?;
         if m.top_k > MAX_TOP_K {
             return Err(fail(format!("manifest asks for {} candidates (at most {MAX_TOP_K}; ask for full logits instead)", m.top_k)));
@@ -143,18 +148,31 @@ impl WasmSampler {
 
     /// A fresh, configured instance.
     fn instantiate(&self) -> std::result::Result<Instance, String> {
-        let mut store = Store::new(self.engine.engine(), PluginState::new(self.name.clone(), &self.limits));
+        let mut store = Store::new(
+            self.engine.engine(),
+            PluginState::new(self.name.clone(), &self.limits),
+        );
         store.limiter(|s| s);
         store.epoch_deadline_trap();
         store.set_epoch_deadline(self.limits.deadline_ticks());
-        let world = self
-            .pre
-            .instantiate(&mut store)
-            .map_err(|e| format!("instantiation failed: {}", store.data().describe_failure(&e, self.limits.time_limit_ms)))?;
-        let mut inst = Instance { store, world, batch: empty_batch(), top: Vec::new() };
+        let world = self.pre.instantiate(&mut store).map_err(|e| {
+            format!(
+                "instantiation failed: {}",
+                store.data().describe_failure(&e, self.limits.time_limit_ms)
+            )
+        })?;
+        let mut inst = Instance {
+            store,
+            world,
+            batch: empty_batch(),
+            top: Vec::new(),
+        };
         let settings = self.settings.clone();
-        self.call(&mut inst, |w, s| w.deepinfer_plugin_sampler_api().call_configure(s, &settings))?
-            .map_err(|e| format!("configure failed: {e}"))?;
+        self.call(&mut inst, |w, s| {
+            w.deepinfer_plugin_sampler_api()
+                .call_configure(s, &settings)
+        })?
+        .map_err(|e| format!("configure failed: {e}"))?;
         Ok(inst)
     }
 
@@ -166,8 +184,11 @@ impl WasmSampler {
     ) -> std::result::Result<T, String> {
         inst.store.data_mut().begin_call();
         inst.store.set_epoch_deadline(self.limits.deadline_ticks());
-        f(&inst.world, &mut inst.store)
-            .map_err(|e| inst.store.data().describe_failure(&e, self.limits.time_limit_ms))
+        f(&inst.world, &mut inst.store).map_err(|e| {
+            inst.store
+                .data()
+                .describe_failure(&e, self.limits.time_limit_ms)
+        })
     }
 
     /// Fills the instance's batch buffers from `rows`.
@@ -215,15 +236,26 @@ impl WasmSampler {
 
     /// One call for all of `rows`. `Err` means the whole call failed (trap, limit, malformed
     /// answer); `Ok` holds each row's own result, checked.
-    fn try_batch(&self, rows: &[SampleRow<'_>]) -> std::result::Result<Vec<Result<TokenId, String>>, String> {
+    fn try_batch(
+        &self,
+        rows: &[SampleRow<'_>],
+    ) -> std::result::Result<Vec<Result<TokenId, String>>, String> {
         let vocab = rows[0].logits.len();
         if rows.iter().any(|r| r.logits.len() != vocab) {
             return Err("rows of one batch have different vocabulary sizes".into());
         }
-        let mut inst = self.pool.take(|| self.instantiate()).map_err(|e| self.msg(&e))?;
+        let mut inst = self
+            .pool
+            .take(|| self.instantiate())
+            .map_err(|e| self.msg(&e))?;
         self.fill(&mut inst, rows, vocab);
         let answer = {
-            let Instance { store, world, batch, .. } = &mut inst;
+            let Instance {
+                store,
+                world,
+                batch,
+                ..
+            } = &mut inst;
             store.data_mut().begin_call();
             store.set_epoch_deadline(self.limits.deadline_ticks());
             world
@@ -258,10 +290,12 @@ impl WasmSampler {
                 Ok(t) if t as usize >= vocab => Err(self.msg(&format!(
                     "returned token {t}, outside the vocabulary of {vocab} tokens"
                 ))),
-                Ok(t) if !self.manifest.full_logits && !cands.contains(&t) => Err(self.msg(&format!(
-                    "returned token {t}, which is not among the row's {} candidates",
-                    cands.len()
-                ))),
+                Ok(t) if !self.manifest.full_logits && !cands.contains(&t) => {
+                    Err(self.msg(&format!(
+                        "returned token {t}, which is not among the row's {} candidates",
+                        cands.len()
+                    )))
+                }
                 Ok(t) => Ok(t),
             });
         }
@@ -284,10 +318,15 @@ impl BatchSampler for WasmSampler {
             Err(e) if rows.len() == 1 => vec![Err(e)],
             Err(e) => {
                 // Find the guilty rows: every row alone, each on a healthy instance.
-                tracing::warn!(plugin = &*self.name, "batch call failed, retrying row by row: {e}");
+                tracing::warn!(
+                    plugin = &*self.name,
+                    "batch call failed, retrying row by row: {e}"
+                );
                 rows.iter()
                     .map(|r| match self.try_batch(std::slice::from_ref(r)) {
-                        Ok(mut one) => one.pop().unwrap_or_else(|| Err(self.msg("returned no answer"))),
+                        Ok(mut one) => one
+                            .pop()
+                            .unwrap_or_else(|| Err(self.msg("returned no answer"))),
                         Err(e) => Err(e),
                     })
                     .collect()

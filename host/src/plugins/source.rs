@@ -46,7 +46,10 @@ impl PluginSource {
     }
 
     pub fn resolve(name: &str, table: Option<&PluginConfig>) -> Result<PluginSource> {
-        let fail = |reason: String| Error::Plugin { plugin: name.to_string(), reason };
+        let fail = |reason: String| Error::Plugin {
+            plugin: name.to_string(),
+            reason,
+        };
         let (origin, bytes): (Origin, Arc<[u8]>) = match table.and_then(|t| t.path.clone()) {
             Some(path) => {
                 let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
@@ -65,7 +68,9 @@ impl PluginSource {
             }
         };
         let sha256 = sha256_hex(&bytes);
-        let pin = table.and_then(|t| t.sha256.as_deref()).map(str::to_ascii_lowercase);
+        let pin = table
+            .and_then(|t| t.sha256.as_deref())
+            .map(str::to_ascii_lowercase);
         match (&origin, pin) {
             (_, Some(expected)) if expected != sha256 => {
                 return Err(Error::PluginHashMismatch {
@@ -88,7 +93,9 @@ impl PluginSource {
             _ => {}
         }
         let settings = match table {
-            Some(t) => t.settings_text().map_err(|e| fail(format!("settings: {e}")))?,
+            Some(t) => t
+                .settings_text()
+                .map_err(|e| fail(format!("settings: {e}")))?,
             None => Vec::new(),
         };
         Ok(PluginSource {
@@ -120,12 +127,22 @@ mod tests {
         let path = dir.path().join("p.wasm");
         std::fs::write(&path, b"not really wasm").unwrap();
         let actual = sha256_hex(b"not really wasm");
-        let mut t = PluginConfig { path: Some(path.clone()), ..Default::default() };
-        let e = PluginSource::resolve("p", Some(&t)).unwrap_err().to_string();
+        let mut t = PluginConfig {
+            path: Some(path.clone()),
+            ..Default::default()
+        };
+        let e = PluginSource::resolve("p", Some(&t))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&actual) && e.contains("not pinned"), "{e}");
         t.sha256 = Some("0".repeat(64));
-        let e = PluginSource::resolve("p", Some(&t)).unwrap_err().to_string();
-        assert!(e.contains(&actual) && e.contains(&"0".repeat(64)) && e.contains("p.wasm"), "{e}");
+        let e = PluginSource::resolve("p", Some(&t))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&actual) && e.contains(&"0".repeat(64)) && e.contains("p.wasm"),
+            "{e}"
+        );
         t.sha256 = Some(actual.to_uppercase());
         assert!(PluginSource::resolve("p", Some(&t)).is_ok());
     }

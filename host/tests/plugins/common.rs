@@ -41,7 +41,8 @@ pub fn file_plugin_config(name: &str, path: &std::path::Path, extra: &str) -> Co
 }
 
 pub fn load(host: &PluginHost, config: &Config) -> WasmSampler {
-    host.load_sampler(config, &config.sampler.plugin).expect("sampler loads")
+    host.load_sampler(config, &config.sampler.plugin)
+        .expect("sampler loads")
 }
 
 /// Deterministic pseudo-random logits in [-8, 8) for (seed, step).
@@ -49,16 +50,33 @@ pub fn logits(seed: u64, step: u64, vocab: usize) -> Vec<f32> {
     let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03);
     (0..vocab)
         .map(|_| {
-            z = z.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            z = z
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((z >> 40) as f32 / (1u64 << 24) as f32) * 16.0 - 8.0
         })
         .collect()
 }
 
 /// Samples one row alone.
-pub fn sample_one(s: &dyn BatchSampler, logits: &[f32], p: &SamplingParams, seed: u64, step: u64, history: &[u32]) -> Result<u32, String> {
-    let row = SampleRow { logits, params: p, seed, step, history };
-    s.sample_batch(std::slice::from_ref(&row)).pop().expect("one answer")
+pub fn sample_one(
+    s: &dyn BatchSampler,
+    logits: &[f32],
+    p: &SamplingParams,
+    seed: u64,
+    step: u64,
+    history: &[u32],
+) -> Result<u32, String> {
+    let row = SampleRow {
+        logits,
+        params: p,
+        seed,
+        step,
+        history,
+    };
+    s.sample_batch(std::slice::from_ref(&row))
+        .pop()
+        .expect("one answer")
 }
 
 /// The index of the largest logit (lowest id on ties).

@@ -43,12 +43,23 @@ mod tests {
     use deepinfer_plugin_sdk::{Candidate, SamplingParams};
 
     fn row<'a>(c: &'a [Candidate], p: &'a SamplingParams) -> Row<'a> {
-        Row { candidates: c, params: p, seed: 0, step: 0, history: &[], logits: &[], vocab_size: 10 }
+        Row {
+            candidates: c,
+            params: p,
+            seed: 0,
+            step: 0,
+            history: &[],
+            logits: &[],
+            vocab_size: 10,
+        }
     }
 
     #[test]
     fn picks_highest_and_honours_bias() {
-        let c = [Candidate { id: 3, logit: 2.0 }, Candidate { id: 7, logit: -1.0 }];
+        let c = [
+            Candidate { id: 3, logit: 2.0 },
+            Candidate { id: 7, logit: -1.0 },
+        ];
         let mut p = SamplingParams::default();
         assert_eq!(Greedy.sample(&row(&c, &p)), Ok(3));
         p.logit_bias = vec![(7, 5.0)];

@@ -49,7 +49,11 @@ impl Standard {
                 }
                 let rp = params.repetition_penalty;
                 if rp != 1.0 {
-                    c.logit = if c.logit > 0.0 { c.logit / rp } else { c.logit * rp };
+                    c.logit = if c.logit > 0.0 {
+                        c.logit / rp
+                    } else {
+                        c.logit * rp
+                    };
                 }
                 c.logit -= params.presence_penalty + params.frequency_penalty * n as f32;
                 moved = true;
@@ -111,7 +115,12 @@ impl Sampler for Standard {
         let mut keep = self.probs.len();
         if p.min_p > 0.0 {
             let floor = self.probs[0] * p.min_p as f64;
-            keep = self.probs.iter().take_while(|&&q| q >= floor).count().max(1);
+            keep = self
+                .probs
+                .iter()
+                .take_while(|&&q| q >= floor)
+                .count()
+                .max(1);
         }
         // top-p: the smallest prefix whose mass reaches top_p.
         if p.top_p < 1.0 {
@@ -149,14 +158,31 @@ mod tests {
         let mut c: Vec<Candidate> = logits
             .iter()
             .enumerate()
-            .map(|(i, &l)| Candidate { id: i as TokenId, logit: l })
+            .map(|(i, &l)| Candidate {
+                id: i as TokenId,
+                logit: l,
+            })
             .collect();
         c.sort_by(better);
         c
     }
 
-    fn draw(c: &[Candidate], p: &SamplingParams, seed: u64, step: u64, hist: &[TokenId]) -> TokenId {
-        let row = Row { candidates: c, params: p, seed, step, history: hist, logits: &[], vocab_size: 1000 };
+    fn draw(
+        c: &[Candidate],
+        p: &SamplingParams,
+        seed: u64,
+        step: u64,
+        hist: &[TokenId],
+    ) -> TokenId {
+        let row = Row {
+            candidates: c,
+            params: p,
+            seed,
+            step,
+            history: hist,
+            logits: &[],
+            vocab_size: 1000,
+        };
         Standard::default().sample(&row).unwrap()
     }
 
@@ -169,7 +195,10 @@ mod tests {
     #[test]
     fn seeded_draws_repeat_and_depend_on_step() {
         let c = cands(&[0.0; 50]);
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
         let a: Vec<_> = (0..40).map(|s| draw(&c, &p, 9, s, &[])).collect();
         let b: Vec<_> = (0..40).map(|s| draw(&c, &p, 9, s, &[])).collect();
         assert_eq!(a, b);
@@ -180,9 +209,21 @@ mod tests {
     #[test]
     fn cuts_restrict_the_choice() {
         let c = cands(&[3.0, 2.9, 0.0, -1.0, -2.0]);
-        let topk = SamplingParams { temperature: 2.0, top_k: 2, ..Default::default() };
-        let topp = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() };
-        let minp = SamplingParams { temperature: 1.0, min_p: 0.5, ..Default::default() };
+        let topk = SamplingParams {
+            temperature: 2.0,
+            top_k: 2,
+            ..Default::default()
+        };
+        let topp = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            ..Default::default()
+        };
+        let minp = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            ..Default::default()
+        };
         for s in 0..200 {
             assert!(draw(&c, &topk, 1, s, &[]) <= 1);
             assert_eq!(draw(&c, &topp, 1, s, &[]), 0);
@@ -193,20 +234,40 @@ mod tests {
     #[test]
     fn penalties_and_bias_move_the_argmax() {
         let c = cands(&[2.0, 1.5, 1.0]);
-        let rep = SamplingParams { repetition_penalty: 10.0, ..Default::default() };
+        let rep = SamplingParams {
+            repetition_penalty: 10.0,
+            ..Default::default()
+        };
         assert_eq!(draw(&c, &rep, 0, 0, &[0]), 1);
-        let freq = SamplingParams { frequency_penalty: 0.4, ..Default::default() };
+        let freq = SamplingParams {
+            frequency_penalty: 0.4,
+            ..Default::default()
+        };
         assert_eq!(draw(&c, &freq, 0, 0, &[0, 0]), 1);
         assert_eq!(draw(&c, &freq, 0, 0, &[0]), 0);
-        let bias = SamplingParams { logit_bias: vec![(2, 5.0)], ..Default::default() };
+        let bias = SamplingParams {
+            logit_bias: vec![(2, 5.0)],
+            ..Default::default()
+        };
         assert_eq!(draw(&c, &bias, 0, 0, &[]), 2);
     }
 
     #[test]
     fn all_neg_infinity_is_an_error() {
         let c = cands(&[f32::NEG_INFINITY; 3]);
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
-        let row = Row { candidates: &c, params: &p, seed: 0, step: 0, history: &[], logits: &[], vocab_size: 3 };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let row = Row {
+            candidates: &c,
+            params: &p,
+            seed: 0,
+            step: 0,
+            history: &[],
+            logits: &[],
+            vocab_size: 3,
+        };
         assert!(Standard::default().sample(&row).is_err());
     }
 }

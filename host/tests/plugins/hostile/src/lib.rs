@@ -48,7 +48,11 @@ impl Sampler for Hostile {
                 .ok_or_else(|| "every token is a candidate".to_string()),
             DEEP_RECURSION => Ok(recurse(0) as TokenId),
             ROW_ERROR => Err("hostile plugin refuses this row".into()),
-            _ => row.candidates.first().map(|c| c.id).ok_or_else(|| "no candidates".into()),
+            _ => row
+                .candidates
+                .first()
+                .map(|c| c.id)
+                .ok_or_else(|| "no candidates".into()),
         }
     }
 
