@@ -51,6 +51,15 @@ impl<T> Pool<T> {
         }
     }
 
+    /// Like [`Pool::take`], as a [`Lease`] that counts as discarded if it is dropped without
+    /// being given back (say, by a panic), so the pool never loses a slot.
+    pub fn lease<E>(&self, create: impl FnOnce() -> Result<T, E>) -> Result<Lease<'_, T>, E> {
+        Ok(Lease {
+            pool: self,
+            item: Some(self.take(create)?),
+        })
+    }
+
     /// Adds an instance built outside `take` (counts as live, starts idle).
     pub fn adopt(&self, t: T) {
         let mut s = self.lock();
@@ -81,6 +90,53 @@ impl<T> Pool<T> {
     }
 }
 
+/// An instance taken from a pool.
+pub struct Lease<'a, T> {
+    pool: &'a Pool<T>,
+    item: Option<T>,
+}
+
+impl<T> Lease<'_, T> {
+    /// Returns the healthy instance to the pool.
+    pub fn give_back(mut self) {
+        if let Some(t) = self.item.take() {
+            self.pool.put(t);
+        }
+    }
+
+    /// Drops the instance (it trapped); the pool builds a fresh one when needed.
+    pub fn discard(mut self) {
+        if self.item.take().is_some() {
+            self.pool.discard();
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Lease<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.item
+            .as_ref()
+            .expect("a lease holds its item until it ends")
+    }
+}
+
+impl<T> std::ops::DerefMut for Lease<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.item
+            .as_mut()
+            .expect("a lease holds its item until it ends")
+    }
+}
+
+impl<T> Drop for Lease<'_, T> {
+    fn drop(&mut self) {
+        if self.item.take().is_some() {
+            self.pool.discard();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,6 +156,19 @@ mod tests {
         assert_eq!(pool.take(make).unwrap(), 1, "a fresh one after a discard");
         assert!(pool.take(|| Err::<usize, ()>(())).is_err());
         assert_eq!(pool.live(), 1, "a failed build does not count");
+    }
+
+    #[test]
+    fn a_dropped_lease_frees_its_slot() {
+        let pool = Pool::new(1);
+        let lease = pool.lease(|| Ok::<_, ()>(7)).unwrap();
+        assert_eq!(*lease, 7);
+        drop(lease);
+        assert_eq!(pool.live(), 0);
+        pool.lease(|| Ok::<_, ()>(8)).unwrap().give_back();
+        assert_eq!(pool.live(), 1);
+        pool.lease(|| Ok::<_, ()>(9)).unwrap().discard();
+        assert_eq!(pool.live(), 0);
     }
 
     #[test]

@@ -246,7 +246,7 @@ impl WasmSampler {
         }
         let mut inst = self
             .pool
-            .take(|| self.instantiate())
+            .lease(|| self.instantiate())
             .map_err(|e| self.msg(&e))?;
         self.fill(&mut inst, rows, vocab);
         let answer = {
@@ -255,7 +255,7 @@ impl WasmSampler {
                 world,
                 batch,
                 ..
-            } = &mut inst;
+            } = &mut *inst;
             store.data_mut().begin_call();
             store.set_epoch_deadline(self.limits.deadline_ticks());
             world
@@ -267,13 +267,12 @@ impl WasmSampler {
             Ok(a) => a,
             Err(e) => {
                 // A trapped instance may be in any state: drop it; the pool builds a new one.
-                drop(inst);
-                self.pool.discard();
+                inst.discard();
                 return Err(self.msg(&e));
             }
         };
         if answer.len() != rows.len() {
-            self.pool.put(inst);
+            inst.give_back();
             return Err(self.msg(&format!(
                 "returned a malformed result: {} answers for {} rows",
                 answer.len(),
@@ -299,7 +298,7 @@ impl WasmSampler {
                 Ok(t) => Ok(t),
             });
         }
-        self.pool.put(inst);
+        inst.give_back();
         Ok(out)
     }
 
