@@ -23,15 +23,15 @@ pub fn load_cpu(path: &std::path::Path) -> deepinfer::Result<LoadedModel> {
 }
 
 pub fn engine(model: LoadedModel) -> Llm {
-    Llm::new(model, Arc::new(NativeSampler), EngineOptions::default())
+    engine_with(model, EngineOptions::default())
+}
+
+pub fn engine_with(model: LoadedModel, opts: EngineOptions) -> Llm {
+    Llm::new(model, Arc::new(NativeSampler), opts).expect("the engine starts")
 }
 
 pub fn greedy(id: &str, prompt: PromptInput, max_tokens: usize) -> Request {
-    Request {
-        id: id.into(),
-        prompt,
-        params: SamplingParams { max_tokens, ..Default::default() },
-    }
+    Request::new(id, prompt, SamplingParams { max_tokens, ..Default::default() })
 }
 
 /// The reference vectors in `tests/data/smollm2_greedy.json`.

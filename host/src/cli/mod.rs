@@ -3,7 +3,10 @@
 mod bench;
 mod eval;
 mod generate;
+mod jsonl_out;
 mod plot;
+mod plugins;
+mod prompts_file;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +28,8 @@ pub enum Command {
     Plot(plot::PlotArgs),
     /// Evaluate: generate samples, score them, or compute perplexity.
     Eval(eval::EvalArgs),
+    /// List, inspect and check the configured plugins.
+    Plugins(plugins::PluginsArgs),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -41,5 +46,6 @@ pub fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Plugins(args) => plugins::run(args),
     }
 }

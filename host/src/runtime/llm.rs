@@ -1,76 +1,89 @@
-//! `Llm`: the offline library API. Requests are prepared (templated, tokenized, checked), run
-//! in batches — prompts packed into prefill steps, then all live sequences decoded together —
-//! and sampled through a [`BatchSampler`]. A request that fails (bad prompt, sampler error)
-//! yields an output with `finish_reason = error`; the others keep running.
+//! `Llm`: the offline library API. Requests are prepared (templated, tokenized, checked) and
+//! run by the engine core (continuous batching over a paged KV cache with prefix reuse,
+//! chunked prefill, preemption and async scheduling), sampled through a [`BatchSampler`].
+//! A request that fails (bad prompt, sampler error) yields an output with
+//! `finish_reason = error`; the others keep running.
+//!
+//! ```no_run
+//! # fn main() -> deepinfer::Result<()> {
+//! use std::sync::Arc;
+//! use deepinfer::runtime::{EngineOptions, Llm};
+//! use deepinfer::sampling::{NativeSampler, SamplingParams};
+//!
+//! let model = deepinfer::model::load("model.gguf".as_ref(), deepinfer::backend::Device::cpu_all())?;
+//! let llm = Llm::new(model, Arc::new(NativeSampler), EngineOptions::default())?;
+//! let params = SamplingParams { max_tokens: 32, ..Default::default() };
+//! for out in llm.generate_prompts(&["The capital of France is", "1, 2, 3,"], &params) {
+//!     println!("{}: {}", out.id, out.text);
+//! }
+//! println!("{}", llm.last_summary().unwrap_or_default());
+//! # Ok(()) }
+//! ```
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::request::{FinishReason, PromptInput, Request, RequestOutput, Timings};
+use super::engine::{self, EngineCore, Prepared, RunContext};
+use super::options::{EngineOptions, ResolvedSizes};
+use super::request::{PromptInput, Request, RequestOutput, StreamEvent};
+use super::sample_stage::mix;
+use super::stats::RunSummary;
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
-use crate::model::batch::Batch;
-use crate::model::{KvCache, LoadedModel};
-use crate::sampling::{BatchSampler, SampleRow, SamplingParams};
-
-/// Engine settings resolved once at start.
-#[derive(Debug, Clone)]
-pub struct EngineOptions {
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Most sequences decoded together.
-    pub max_batch: usize,
-    /// Most prompt tokens run in one prefill step.
-    pub prefill_chunk: usize,
-    /// Seed for requests that give none.
-    pub seed: u64,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            block_size: 16,
-            max_batch: 64,
-            prefill_chunk: 512,
-            seed: 0,
-        }
-    }
-}
-
-/// A live sequence.
-struct Seq {
-    idx: usize,
-    prompt: Vec<TokenId>,
-    out: Vec<TokenId>,
-    params: SamplingParams,
-    seed: u64,
-    blocks: Vec<u32>,
-    /// Tokens already in the KV cache.
-    cached: usize,
-    t_first: Option<Instant>,
-    done: Option<FinishReason>,
-    error: Option<String>,
-    text: String,
-}
-
-impl Seq {
-    fn history(&self) -> Vec<TokenId> {
-        let mut h = self.prompt.clone();
-        h.extend_from_slice(&self.out);
-        h
-    }
-}
+use crate::kv_cache::{KvCacheConfig, KvCacheManager, KvCacheStats};
+use crate::model::LoadedModel;
+use crate::sampling::{BatchSampler, SamplingParams};
+use crate::scheduler::Scheduler;
 
 /// An offline inference engine over one loaded model.
 pub struct Llm {
     model: LoadedModel,
     sampler: Arc<dyn BatchSampler>,
     opts: EngineOptions,
+    sizes: ResolvedSizes,
+    /// Scheduler, KV manager and KV storage; one run at a time holds it.
+    core: Mutex<EngineCore>,
+    last_summary: Mutex<Option<RunSummary>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Llm {
-    pub fn new(model: LoadedModel, sampler: Arc<dyn BatchSampler>, opts: EngineOptions) -> Llm {
-        Llm { model, sampler, opts }
+    /// Sizes the KV cache from `opts.kv_budget` once and allocates it (the CPU backend's
+    /// pages cost memory only once written).
+    pub fn new(
+        model: LoadedModel,
+        sampler: Arc<dyn BatchSampler>,
+        opts: EngineOptions,
+    ) -> Result<Llm> {
+        let sizes = opts.resolve(model.model.config())?;
+        let manager = KvCacheManager::new(KvCacheConfig {
+            num_blocks: sizes.num_blocks,
+            block_size: opts.block_size,
+            enable_prefix_caching: opts.enable_prefix_caching,
+        })?;
+        let mut scheduler = Scheduler::new(sizes.scheduler, manager)?;
+        scheduler.set_async_decode(opts.async_scheduling);
+        let kv = model.model.new_kv(sizes.num_blocks, opts.block_size)?;
+        tracing::info!(
+            "KV cache: {} blocks of {} tokens ({} MiB at most)",
+            sizes.num_blocks,
+            opts.block_size,
+            (sizes.num_blocks * sizes.bytes_per_block) >> 20
+        );
+        Ok(Llm {
+            model,
+            sampler,
+            opts,
+            sizes,
+            core: Mutex::new(EngineCore {
+                scheduler,
+                kv,
+                next_request: 0,
+            }),
+            last_summary: Mutex::new(None),
+        })
     }
 
     pub fn model(&self) -> &LoadedModel {
@@ -81,18 +94,35 @@ impl Llm {
         &self.opts
     }
 
+    /// KV blocks the budget gave.
+    pub fn num_kv_blocks(&self) -> usize {
+        self.sizes.num_blocks
+    }
+
+    /// The KV cache's counters (blocks in use and cached, prefix hits over the engine's life).
+    pub fn kv_stats(&self) -> KvCacheStats {
+        lock(&self.core).scheduler.kv_stats()
+    }
+
+    /// The summary of the latest finished run.
+    pub fn last_summary(&self) -> Option<RunSummary> {
+        lock(&self.last_summary).clone()
+    }
+
     /// Templated prompt text (if any) and its token ids, with the request's limits checked.
     pub fn prepare(&self, req: &Request) -> Result<(Option<String>, Vec<TokenId>)> {
         req.params.validate().map_err(Error::BadRequest)?;
+        if req.n == 0 {
+            return Err(Error::BadRequest("n must be at least 1".into()));
+        }
         let tok = &self.model.tokenizer;
         let (text, ids) = match &req.prompt {
             PromptInput::Text(t) => (Some(t.clone()), tok.encode(t)?),
             PromptInput::Chat(msgs) => {
-                let tpl = self
-                    .model
-                    .chat_template
-                    .as_ref()
-                    .ok_or_else(|| Error::ChatTemplate("the model has no chat template".into()))?;
+                let tpl =
+                    self.model.chat_template.as_ref().ok_or_else(|| {
+                        Error::ChatTemplate("the model has no chat template".into())
+                    })?;
                 let t = tpl.render(msgs, true)?;
                 let ids = tok.encode(&t)?;
                 (Some(t), ids)
@@ -104,7 +134,10 @@ impl Llm {
         }
         let cfg = self.model.model.config();
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(Error::BadRequest(format!("prompt token id {bad} is outside the vocabulary ({})", cfg.vocab)));
+            return Err(Error::BadRequest(format!(
+                "prompt token id {bad} is outside the vocabulary ({})",
+                cfg.vocab
+            )));
         }
         let needed = ids.len() + req.params.max_tokens;
         if needed > cfg.context_len {
@@ -118,212 +151,78 @@ impl Llm {
         Ok((text, ids))
     }
 
-    /// Runs every request to completion; `on_done` sees each output as it finishes. The
-    /// returned outputs are in request order.
-    pub fn generate(&self, requests: &[Request], on_done: &mut dyn FnMut(&RequestOutput)) -> Vec<RequestOutput> {
-        let t0 = Instant::now();
+    /// Runs every request to completion; `on_done` sees each output as it finishes (in
+    /// completion order). The returned outputs are in request order.
+    pub fn generate(
+        &self,
+        requests: &[Request],
+        on_done: &mut dyn FnMut(&RequestOutput),
+    ) -> Vec<RequestOutput> {
         let mut outputs: Vec<Option<RequestOutput>> = vec![None; requests.len()];
-        let mut pending = Vec::new();
-        for (idx, req) in requests.iter().enumerate() {
-            match self.prepare(req) {
-                Ok((text, ids)) => pending.push((idx, text, ids)),
-                Err(e) => {
-                    let out = RequestOutput::failed(req.id.clone(), prompt_text(&req.prompt), e.to_string());
-                    on_done(&out);
-                    outputs[idx] = Some(out);
-                }
+        self.generate_stream(requests, &mut |ev| {
+            if let StreamEvent::Finished { index, output } = ev {
+                on_done(output);
+                outputs[index] = Some(output.clone());
             }
-        }
-        let mut texts: Vec<Option<String>> = vec![None; requests.len()];
-        for wave in pending.chunks(self.opts.max_batch.max(1)) {
-            let mut seqs = Vec::with_capacity(wave.len());
-            let mut next_block = 0u32;
-            for (idx, text, ids) in wave {
-                let params = requests[*idx].params.clone();
-                let n_blocks = (ids.len() + params.max_tokens).div_ceil(self.opts.block_size);
-                let blocks: Vec<u32> = (next_block..next_block + n_blocks as u32).collect();
-                next_block += n_blocks as u32;
-                texts[*idx] = text.clone();
-                seqs.push(Seq {
-                    idx: *idx,
-                    seed: params.seed.unwrap_or_else(|| mix(self.opts.seed, *idx as u64)),
-                    prompt: ids.clone(),
-                    out: Vec::new(),
-                    params,
-                    blocks,
-                    cached: 0,
-                    t_first: None,
-                    done: None,
-                    error: None,
-                    text: String::new(),
-                });
-            }
-            match self.model.model.new_kv(next_block as usize, self.opts.block_size) {
-                Ok(mut kv) => self.run_wave(&mut seqs, &mut kv),
-                Err(e) => {
-                    for s in &mut seqs {
-                        s.done = Some(FinishReason::Error);
-                        s.error = Some(format!("allocating the KV cache failed: {e}"));
-                    }
-                }
-            }
-            for s in seqs {
-                let req = &requests[s.idx];
-                let elapsed = t0.elapsed().as_secs_f64();
-                let (ttft, decode_rate) = match s.t_first {
-                    Some(tf) => {
-                        let since_first = tf.elapsed().as_secs_f64();
-                        let rate = if s.out.len() > 1 && since_first > 0.0 { (s.out.len() - 1) as f64 / since_first } else { 0.0 };
-                        ((tf - t0).as_secs_f64(), rate)
-                    }
-                    None => (elapsed, 0.0),
-                };
-                let out = RequestOutput {
-                    id: req.id.clone(),
-                    prompt: texts[s.idx].take(),
-                    prompt_token_ids: s.prompt,
-                    text: s.text,
-                    token_ids: s.out,
-                    finish_reason: s.done.unwrap_or(FinishReason::Length),
-                    error: s.error,
-                    timings: Timings { time_to_first_token_s: ttft, decode_tok_per_s: decode_rate, total_s: elapsed },
-                };
-                on_done(&out);
-                outputs[s.idx] = Some(out);
-            }
-        }
-        outputs.into_iter().map(|o| o.expect("every request yields an output")).collect()
+        });
+        outputs
+            .into_iter()
+            .zip(requests)
+            .map(|(o, r)| {
+                o.unwrap_or_else(|| RequestOutput::failed(r.id.clone(), None, "no output".into()))
+            })
+            .collect()
     }
 
-    /// Prefills then decodes one wave of sequences until all are done.
-    fn run_wave(&self, seqs: &mut [Seq], kv: &mut KvCache) {
-        // Prefill: pack prompt chunks of several sequences into each step.
-        loop {
-            let mut batch = Batch::default();
-            let mut members = Vec::new();
-            let mut rows = Vec::new();
-            for (i, s) in seqs.iter().enumerate() {
-                let room = self.opts.prefill_chunk.saturating_sub(batch.n_tokens());
-                if room == 0 {
-                    break;
-                }
-                if s.done.is_some() || s.cached >= s.prompt.len() {
-                    continue;
-                }
-                let n = room.min(s.prompt.len() - s.cached);
-                let last = s.cached + n == s.prompt.len();
-                batch.push(&s.prompt[s.cached..s.cached + n], s.cached, s.blocks.clone(), last);
-                members.push((i, n));
-                if last {
-                    rows.push(i);
-                }
-            }
-            if members.is_empty() {
-                break;
-            }
-            let all: Vec<usize> = members.iter().map(|&(i, _)| i).collect();
-            if let Some(logits) = self.step(&batch, kv, seqs, &all) {
-                for &(i, n) in &members {
-                    seqs[i].cached += n;
-                }
-                self.sample_rows(seqs, &rows, &logits);
-            }
-        }
-        // Decode: every live sequence runs its last sampled token.
-        loop {
-            let rows: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].done.is_none()).collect();
-            if rows.is_empty() {
-                break;
-            }
-            let mut batch = Batch::default();
-            for &i in &rows {
-                let s = &seqs[i];
-                let last = *s.out.last().expect("a live sequence after prefill has a token");
-                batch.push(&[last], s.prompt.len() + s.out.len() - 1, s.blocks.clone(), true);
-            }
-            if let Some(logits) = self.step(&batch, kv, seqs, &rows) {
-                self.sample_rows(seqs, &rows, &logits);
-            }
-        }
-    }
-
-    /// One forward pass; on failure every sequence in `rows` fails.
-    fn step(&self, batch: &Batch, kv: &mut KvCache, seqs: &mut [Seq], rows: &[usize]) -> Option<Vec<f32>> {
-        match self.model.model.forward(batch, kv) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                for &i in rows {
-                    seqs[i].done = Some(FinishReason::Error);
-                    seqs[i].error = Some(format!("forward pass failed: {e}"));
-                }
-                None
-            }
-        }
-    }
-
-    fn sample_rows(&self, seqs: &mut [Seq], rows: &[usize], logits: &[f32]) {
-        let vocab = self.model.model.config().vocab;
-        let histories: Vec<Vec<TokenId>> = rows.iter().map(|&i| seqs[i].history()).collect();
-        let sample_rows: Vec<SampleRow> = rows
+    /// Text prompts with shared parameters (vLLM's `generate(prompts, params)`); ids are
+    /// the prompts' indices.
+    pub fn generate_prompts<S: AsRef<str>>(
+        &self,
+        prompts: &[S],
+        params: &SamplingParams,
+    ) -> Vec<RequestOutput> {
+        let requests: Vec<Request> = prompts
             .iter()
             .enumerate()
-            .map(|(j, &i)| SampleRow {
-                logits: &logits[j * vocab..(j + 1) * vocab],
-                params: &seqs[i].params,
-                seed: seqs[i].seed,
-                step: seqs[i].out.len() as u64,
-                history: &histories[j],
+            .map(|(i, p)| Request::text(i.to_string(), p.as_ref(), params.clone()))
+            .collect();
+        self.generate(&requests, &mut |_| {})
+    }
+
+    /// The streaming form: `on_event` sees every sample's new tokens (with their text) as
+    /// they are produced, and each request's output as soon as it is complete. Returns the
+    /// run's summary (also kept for [`Llm::last_summary`]). Runs one at a time per engine.
+    pub fn generate_stream(
+        &self,
+        requests: &[Request],
+        on_event: &mut dyn FnMut(StreamEvent<'_>),
+    ) -> RunSummary {
+        let prepared: Vec<std::result::Result<Prepared, String>> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                self.prepare(r)
+                    .map_err(|e| e.to_string())
+                    .map(|(text, ids)| Prepared {
+                        text,
+                        ids,
+                        seed: r
+                            .params
+                            .seed
+                            .unwrap_or_else(|| mix(self.opts.seed, i as u64)),
+                    })
             })
             .collect();
-        let picks = self.sampler.sample_batch(&sample_rows);
-        drop(sample_rows);
-        for (&i, pick) in rows.iter().zip(picks) {
-            let s = &mut seqs[i];
-            match pick {
-                Ok(t) if (t as usize) < vocab => self.append(s, t),
-                Ok(t) => {
-                    s.done = Some(FinishReason::Error);
-                    s.error = Some(format!("sampler returned token id {t}, outside the vocabulary ({vocab})"));
-                }
-                Err(e) => {
-                    s.done = Some(FinishReason::Error);
-                    s.error = Some(format!("sampler failed: {e}"));
-                }
-            }
-        }
+        let mut core = lock(&self.core);
+        let ctx = RunContext {
+            model: &self.model,
+            sampler: self.sampler.as_ref(),
+            async_scheduling: self.opts.async_scheduling,
+            progress: self.opts.progress,
+        };
+        let summary = engine::run(&mut core, ctx, requests, &prepared, on_event);
+        drop(core);
+        *lock(&self.last_summary) = Some(summary.clone());
+        summary
     }
-
-    fn append(&self, s: &mut Seq, t: TokenId) {
-        if s.t_first.is_none() {
-            s.t_first = Some(Instant::now());
-        }
-        let tok = &self.model.tokenizer;
-        if tok.is_eos(t) && !s.params.ignore_eos {
-            s.done = Some(FinishReason::Stop);
-            return;
-        }
-        s.out.push(t);
-        s.text = tok.decode(&s.out).unwrap_or_default();
-        if let Some(cut) = s.params.stop.iter().filter_map(|st| s.text.find(st.as_str())).min() {
-            s.text.truncate(cut);
-            s.done = Some(FinishReason::Stop);
-        } else if s.out.len() >= s.params.max_tokens {
-            s.done = Some(FinishReason::Length);
-        }
-    }
-}
-
-fn prompt_text(p: &PromptInput) -> Option<String> {
-    match p {
-        PromptInput::Text(t) => Some(t.clone()),
-        _ => None,
-    }
-}
-
-/// Derives a per-request seed from the engine seed (SplitMix64 finalizer).
-fn mix(seed: u64, idx: u64) -> u64 {
-    let mut z = seed.wrapping_add(idx.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }

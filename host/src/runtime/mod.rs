@@ -1,7 +1,24 @@
-//! The generation runtime: runs requests through a model and a sampler.
+//! The generation runtime: the library API ([`Llm`]) and the engine core that runs requests
+//! through the scheduler, the model and a sampler. It owns the threads of a run (engine
+//! loop, executor, sampler stage, output stage) and the data they pass; it must not contain
+//! scheduling policy (`scheduler`), KV bookkeeping (`kv_cache`) or kernels (`backend`).
 
+mod engine;
+mod executor;
 mod llm;
+mod messages;
+mod options;
+mod output_stage;
+mod progress;
 mod request;
+mod sample_stage;
+mod stats;
+pub mod text;
 
-pub use llm::{EngineOptions, Llm};
-pub use request::{FinishReason, PromptInput, Request, RequestOutput, Timings};
+pub use llm::Llm;
+pub use messages::StepTiming;
+pub use options::{available_memory, EngineOptions, ResolvedSizes, DEFAULT_KV_BUDGET};
+pub use request::{
+    FinishReason, PromptInput, Request, RequestOutput, SampleOutput, StreamEvent, Timings,
+};
+pub use stats::RunSummary;

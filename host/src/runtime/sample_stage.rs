@@ -1,0 +1,192 @@
+//! The sampler stage: turns each step's logits into tokens, off the compute thread. It keeps
+//! every live sequence's token history (for penalties and the per-token random stream),
+//! calls the [`BatchSampler`] once per step (split across two threads for large batches),
+//! and reports the tokens to the executor (placeholders) and the engine (scheduler update).
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use super::messages::{EngineEvent, SampleJob, SampledTokens, StepDone};
+use crate::ids::{RequestId, TokenId};
+use crate::kv_cache::SeqId;
+use crate::sampling::{BatchSampler, SampleRow, SamplingParams};
+
+/// Rows from which sampling is split across two threads.
+const PARALLEL_ROWS: usize = 16;
+
+/// Sampling settings of the run's requests, by request id.
+pub struct SeqSettings<'a> {
+    /// Request id of index 0; request `i` of the run has id `base + i`.
+    pub base: u64,
+    /// Per request index: parameters and seed of sample 0.
+    pub requests: Vec<(&'a SamplingParams, u64)>,
+}
+
+impl SeqSettings<'_> {
+    fn get(&self, seq: SeqId) -> Option<(&SamplingParams, u64)> {
+        let idx = seq.request.0.checked_sub(self.base)?;
+        let &(params, seed) = self.requests.get(usize::try_from(idx).ok()?)?;
+        Some((params, sample_seed(seed, seq.sample)))
+    }
+}
+
+/// Sample `j` of a request draws from its own stream.
+pub fn sample_seed(seed: u64, sample: u32) -> u64 {
+    if sample == 0 {
+        seed
+    } else {
+        mix(seed, u64::from(sample))
+    }
+}
+
+/// SplitMix64 of `seed` and `idx`: per-request and per-sample seeds.
+pub fn mix(seed: u64, idx: u64) -> u64 {
+    let mut z = seed.wrapping_add(idx.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+struct History {
+    tokens: Vec<TokenId>,
+    num_prompt: usize,
+}
+
+/// The stage's channels.
+pub struct SamplerIo {
+    pub jobs: Receiver<SampleJob>,
+    pub to_executor: Sender<SampledTokens>,
+    pub to_engine: Sender<EngineEvent>,
+}
+
+/// Samples steps until the job channel closes.
+pub fn run_sampler(
+    sampler: &dyn BatchSampler,
+    settings: &SeqSettings<'_>,
+    vocab: usize,
+    io: SamplerIo,
+) {
+    let mut histories: HashMap<SeqId, History> = HashMap::new();
+    for job in io.jobs.iter() {
+        let out = &job.out;
+        for s in out.finished.iter().chain(&out.preempted) {
+            histories.remove(s);
+        }
+        for e in &out.seqs {
+            if let Some(n) = &e.new_seq {
+                histories.insert(
+                    e.seq,
+                    History {
+                        tokens: n.token_ids.clone(),
+                        num_prompt: n.num_prompt_tokens,
+                    },
+                );
+            }
+        }
+        let t0 = Instant::now();
+        let results = match &job.logits {
+            Err(msg) => out
+                .seqs
+                .iter()
+                .map(|_| Err(format!("forward pass failed: {msg}")))
+                .collect(),
+            Ok(logits) => sample_step(sampler, settings, vocab, &job, logits, &mut histories),
+        };
+        let mut timing = job.timing;
+        timing.sample_s = t0.elapsed().as_secs_f64();
+        let tokens: SampledTokens = out
+            .seqs
+            .iter()
+            .zip(&results)
+            .filter_map(|(e, r)| Some((e.seq, *r.as_ref().ok()?.first()?)))
+            .collect();
+        // The executor may be gone at the end of a run; the engine still wants the step.
+        let _ = io.to_executor.send(tokens);
+        let done = StepDone {
+            results,
+            timing,
+            at: Instant::now(),
+        };
+        if io.to_engine.send(EngineEvent::Step(done)).is_err() {
+            return;
+        }
+    }
+}
+
+/// One row per sampling entry; returns per-entry results and extends the histories.
+fn sample_step(
+    sampler: &dyn BatchSampler,
+    settings: &SeqSettings<'_>,
+    vocab: usize,
+    job: &SampleJob,
+    logits: &[f32],
+    histories: &mut HashMap<SeqId, History>,
+) -> Vec<Result<Vec<TokenId>, String>> {
+    let out = &job.out;
+    let mut results: Vec<Result<Vec<TokenId>, String>> = vec![Ok(Vec::new()); out.seqs.len()];
+    let mut rows = Vec::new();
+    let mut row_entries = Vec::new();
+    for (i, e) in out.seqs.iter().enumerate().filter(|(_, e)| e.wants_sample) {
+        let r = rows.len();
+        let Some(row_logits) = logits.get(r * vocab..(r + 1) * vocab) else {
+            results[i] = Err("the forward pass returned too few logits".into());
+            continue;
+        };
+        let (Some((params, seed)), Some(h)) = (settings.get(e.seq), histories.get(&e.seq)) else {
+            results[i] = Err(format!("sequence {} is unknown to the sampler", e.seq));
+            rows.push(None);
+            continue;
+        };
+        rows.push(Some(SampleRow {
+            logits: row_logits,
+            params,
+            seed,
+            step: h.tokens.len().saturating_sub(h.num_prompt) as u64,
+            history: &h.tokens,
+        }));
+        row_entries.push(i);
+    }
+    let real: Vec<SampleRow<'_>> = rows.into_iter().flatten().collect();
+    let picks = sample_rows(sampler, &real);
+    drop(real);
+    for (&i, pick) in row_entries.iter().zip(picks) {
+        let e = &out.seqs[i];
+        results[i] = match pick {
+            Ok(t) if (t as usize) < vocab => {
+                if let Some(h) = histories.get_mut(&e.seq) {
+                    h.tokens.push(t);
+                }
+                Ok(vec![t])
+            }
+            Ok(t) => Err(format!(
+                "sampler returned token id {t}, outside the vocabulary ({vocab})"
+            )),
+            Err(msg) => Err(format!("sampler failed: {msg}")),
+        };
+    }
+    results
+}
+
+/// Samples the rows, on two threads when there are many (each row's result depends only on
+/// the row, so the split changes nothing).
+fn sample_rows(sampler: &dyn BatchSampler, rows: &[SampleRow<'_>]) -> Vec<Result<TokenId, String>> {
+    if rows.len() < PARALLEL_ROWS {
+        return sampler.sample_batch(rows);
+    }
+    let (a, b) = rows.split_at(rows.len() / 2);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| sampler.sample_batch(b));
+        let mut first = sampler.sample_batch(a);
+        match other.join() {
+            Ok(second) => first.extend(second),
+            Err(_) => first.extend(b.iter().map(|_| Err("sampler thread panicked".to_string()))),
+        }
+        first
+    })
+}
+
+/// The request id of index `idx` in a run whose first id is `base`.
+pub fn request_id(base: u64, idx: usize) -> RequestId {
+    RequestId(base + idx as u64)
+}
