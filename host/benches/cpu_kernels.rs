@@ -115,6 +115,16 @@ fn bench(c: &mut Criterion) {
             }
         })
     });
+    // Two tokens per matvec (two-pass activations, or a token plus one draft).
+    let x2 = activations(2 * 1536);
+    let mut y2 = vec![0f32; 2 * 49152];
+    g.bench_function("smollm2_135m_matvecs_2_tokens", |b| {
+        b.iter(|| {
+            for w in &step {
+                matmul(&pool, w, &x2[..2 * w.cols], 2, &mut y2[..2 * w.rows]);
+            }
+        })
+    });
     g.finish();
     drop(step);
 

@@ -172,12 +172,21 @@ fn prefetch(b: &[u8], at: usize, len: usize) {
     let _ = (b, at, len);
 }
 
-/// Tile sizes covering `n` items: 4 while at least 4 remain, then 1.
-fn steps(n: usize) -> impl Iterator<Item = (usize, usize)> {
+/// `(start, len)` tiles covering `n` items: 4 while at least 4 remain, then 2 (if `pairs`)
+/// and 1. Tokens use pairs (two-token batches are common: a decode step with a draft, or
+/// two-pass activations); rows only 4 and 1.
+fn steps(n: usize, pairs: bool) -> impl Iterator<Item = (usize, usize)> {
     let mut at = 0;
     std::iter::from_fn(move || {
         (at < n).then(|| {
-            let len = if n - at >= 4 { 4 } else { 1 };
+            let left = n - at;
+            let len = if left >= 4 {
+                4
+            } else if pairs && left >= 2 {
+                2
+            } else {
+                1
+            };
             at += len;
             (at - len, len)
         })
@@ -215,8 +224,8 @@ fn run_direct(
     let (bytes, rb) = (w.bytes(), w.row_bytes());
     let task_bytes = &bytes[rows.start * rb..rows.end * rb];
     let mut out = [0f32; 16];
-    for (t0, tn) in steps(a.n_tokens) {
-        for (dr, rn) in steps(rows.len()) {
+    for (t0, tn) in steps(a.n_tokens, true) {
+        for (dr, rn) in steps(rows.len(), false) {
             let r0 = rows.start + dr;
             if t0 == 0 {
                 // First pass over these rows: keep PREFETCH_BYTES of weights in flight.
@@ -249,7 +258,7 @@ fn run_dequantized(
             buf.resize(4 * cols, 0.0);
         }
         let mut out = [0f32; 16];
-        for (dr, rn) in steps(rows.len()) {
+        for (dr, rn) in steps(rows.len(), false) {
             let r0 = rows.start + dr;
             for i in 0..rn {
                 let src = &bytes[(r0 + i) * rb..(r0 + i + 1) * rb];
@@ -258,7 +267,7 @@ fn run_dequantized(
             // SAFETY: any f32 is 4 initialised bytes; the view covers `rn * cols` values.
             let rows_bytes =
                 unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<u8>(), rn * cols * 4) };
-            for (t0, tn) in steps(a.n_tokens) {
+            for (t0, tn) in steps(a.n_tokens, true) {
                 // SAFETY: as in `run_direct`, with F32 kernels reading the dequantized rows.
                 unsafe {
                     (k.tile(rn, tn))(rows_bytes, cols * 4, a, t0, &mut out);
@@ -293,7 +302,7 @@ mod tests {
             let cols = dtype.block_elems().max(32) * 2;
             let rows = 23;
             let w = random_weight(&mut rng, dtype, rows, cols);
-            let n = 9;
+            let n = 7; // tiles of 4, 2 and 1 tokens
             let x = rng.vec(n * cols);
             for isa in Isa::available() {
                 let mut batched = vec![0f32; n * rows];

@@ -354,7 +354,7 @@ macro_rules! isa_kernels {
             }
 
             /// The kernels for `dtype` (never a fallback type).
-            pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 4]) {
+            pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 6]) {
                 match dtype {
                     DType::F32 => (ActKind::F32, tiles!(float_t::<F32>)),
                     DType::F16 => (ActKind::F32, tiles!(float_t::<F16>)),

@@ -14,7 +14,7 @@ use super::kernel::{tiles, TileFn};
 use crate::tensor::DType;
 
 /// The kernels for `dtype` (never a fallback type).
-pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 4]) {
+pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 6]) {
     match dtype {
         DType::F32 => (ActKind::F32, tiles!(float::<F32>)),
         DType::F16 => (ActKind::F32, tiles!(float::<F16>)),

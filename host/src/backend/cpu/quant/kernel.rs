@@ -2,8 +2,8 @@
 //!
 //! A tile kernel computes the dot products of up to 4 weight rows with up to 4 activation
 //! tokens, reading the quantized weight bytes in place, so unpacked weights are reused across
-//! tokens from registers. Kernels come in four fixed tile shapes (4x4, 4x1, 1x4, 1x1); the
-//! driver in `matmul` covers any shape with them.
+//! tokens from registers. Kernels come in six fixed tile shapes (4 or 1 rows x 4, 2 or 1
+//! tokens); the driver in `matmul` covers any shape with them.
 
 use super::act::{ActKind, ActView};
 use super::Isa;
@@ -24,29 +24,36 @@ pub(crate) type TileFn =
 pub(crate) struct Kernel {
     /// Activation layout the tiles read.
     pub act: ActKind,
-    /// Tiles of 4x4, 4x1, 1x4 and 1x1 rows x tokens.
-    pub tiles: [TileFn; 4],
+    /// Tiles of 4x4, 4x2, 4x1, 1x4, 1x2 and 1x1 rows x tokens.
+    pub tiles: [TileFn; 6],
     /// The weight type has no direct kernel: rows are dequantized to f32 and `tiles` are the
     /// F32 kernels.
     pub dequantize_first: bool,
 }
 
 impl Kernel {
-    /// The tile function for `r` in {1, 4} rows and `t` in {1, 4} tokens.
+    /// The tile function for `r` in {1, 4} rows and `t` in {1, 2, 4} tokens.
     #[inline]
     pub(crate) fn tile(&self, r: usize, t: usize) -> TileFn {
-        self.tiles[usize::from(r != 4) * 2 + usize::from(t != 4)]
+        let col = match t {
+            4 => 0,
+            2 => 1,
+            _ => 2,
+        };
+        self.tiles[usize::from(r != 4) * 3 + col]
     }
 }
 
-/// Fills a `[TileFn; 4]` from a kernel generic over `<const R, const T>` (plus any leading
+/// Fills a `[TileFn; 6]` from a kernel generic over `<const R, const T>` (plus any leading
 /// generic arguments).
 macro_rules! tiles {
     ($f:ident $(:: <$($g:ty),*>)?) => {
         [
             $f::<$($($g,)*)? 4, 4> as $crate::backend::cpu::quant::kernel::TileFn,
+            $f::<$($($g,)*)? 4, 2>,
             $f::<$($($g,)*)? 4, 1>,
             $f::<$($($g,)*)? 1, 4>,
+            $f::<$($($g,)*)? 1, 2>,
             $f::<$($($g,)*)? 1, 1>,
         ]
     };

@@ -10,7 +10,7 @@ use crate::tensor::DType;
 use half::{bf16, f16};
 
 /// The kernels for `dtype` (never a fallback type).
-pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 4]) {
+pub(crate) fn tiles(dtype: DType) -> (ActKind, [TileFn; 6]) {
     match dtype {
         DType::F32 => (ActKind::F32, tiles!(tile::<F32>)),
         DType::F16 => (ActKind::F32, tiles!(tile::<F16>)),
