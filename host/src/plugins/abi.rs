@@ -258,6 +258,33 @@ mod tests {
         );
     }
 
+    fn exporting(name: &str) -> Vec<u8> {
+        wat::parse_str(format!(
+            r#"(component
+                (core module $m (func (export "f")))
+                (core instance $i (instantiate $m))
+                (func $f (canon lift (core func $i "f")))
+                (instance $api (export "manifest" (func $f)))
+                (export "{name}" (instance $api)))"#
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_export_names_the_kind_and_version() {
+        for kind in PluginKind::ALL {
+            let s = inspect(
+                "x",
+                &exporting(&format!("{PACKAGE}/{}@0.1.3", kind.interface())),
+            )
+            .unwrap();
+            assert_eq!((s.kind, s.abi.to_string()), (kind, "0.1.3".to_string()));
+            assert!(s.imports.is_empty());
+        }
+        let e = inspect("x", &exporting("deepinfer:plugin/sampler-api@0.1")).unwrap_err();
+        assert!(e.to_string().contains("bad ABI version"), "{e}");
+    }
+
     #[test]
     fn a_component_without_plugin_exports_is_refused() {
         let c = wat::parse_str("(component)").unwrap();
