@@ -4,8 +4,9 @@
 //! Each 32-element block is one register in element order, scaled in f32 by `d_w * d_x`
 //! (offsets and mins through the activation block sums, as in `avx512`); Q8_0 uses the
 //! sign trick (`|w|` times `x` with `w`'s sign) because `vpmaddubsw` saturates at i16. The
-//! K formats (in `avx256_k`) apply their group scales in the integer domain. The bodies are generic and
-//! `#[inline(always)]`; [`isa_kernels!`] stamps them out under each level's target features.
+//! K formats (in `avx256_k`) apply their group scales in the integer domain. The bodies are
+//! generic and `#[inline(always)]`; `isa_kernels!` stamps them out under each level's target
+//! features.
 
 use std::arch::x86_64::*;
 
