@@ -1,4 +1,5 @@
-//! Matrix products of (possibly quantized) weights with f32 activations, split across the thread pool.
+//! Matrix products of (possibly quantized) weights with f32 activations, split across the
+//! thread pool.
 //!
 //! One call quantizes the activations once (into the layout the weight type's kernel reads),
 //! splits the weight rows into equal chunks for the pool, and inside each chunk walks tokens

@@ -44,7 +44,8 @@ pub(crate) struct Acts {
 /// What a tile kernel reads for token `t`:
 /// - F32: `x[t * cols..]`.
 /// - Q8: `qs[t * qs_stride + 32 b..]`, `scale` / `sum` at `t * f_stride + 8 b` (8 copies each).
-/// - Q8K: `qs[t * qs_stride + 256 s..]`, `scale[t * f_stride + s]`, `bsums[t * bsums_stride + 16 s..]`.
+/// - Q8K: `qs[t * qs_stride + 256 s..]`, `scale[t * f_stride + s]`,
+///   `bsums[t * bsums_stride + 16 s..]`.
 #[derive(Clone, Copy)]
 pub(crate) struct ActView<'a> {
     pub x: &'a [f32],
