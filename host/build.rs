@@ -39,6 +39,12 @@ const PLUGINS: &[PluginCrate] = &[
         builtin: true,
     },
     PluginCrate {
+        name: "grammar",
+        dir: "plugins/grammar",
+        package: "grammar-constraint",
+        builtin: true,
+    },
+    PluginCrate {
         name: "typical",
         dir: "examples/01-typical-sampler",
         package: "typical-sampler",
@@ -198,7 +204,13 @@ fn build_core_modules(root: &Path, target_dir: &Path) {
         .env("CARGO_PROFILE_RELEASE_LTO", "true")
         .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "1")
         .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "3")
-        .env("CARGO_PROFILE_RELEASE_PANIC", "abort");
+        .env("CARGO_PROFILE_RELEASE_PANIC", "abort")
+        // getrandom (through llguidance's hashers) takes its bytes from the plugin
+        // (`__getrandom_v03_custom`): the sandbox has no entropy and imports nothing.
+        .env(
+            "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUSTFLAGS",
+            "--cfg getrandom_backend=\"custom\"",
+        );
     let out = cmd
         .output()
         .unwrap_or_else(|e| panic!("could not run cargo to build the plugins: {e}"));

@@ -27,6 +27,7 @@
 
 extern crate self as deepinfer_plugin_sdk;
 
+pub mod constraint;
 pub mod log;
 pub mod rng;
 pub mod sampler;
