@@ -190,10 +190,10 @@ mod tests {
     fn rms_norm_unit_rows() {
         let x = [3.0, 4.0, 0.0, 0.0];
         let mut o = [0.0; 4];
-        rms_norm(&x, &[1.0, 1.0], 0.0, &mut o);
+        rms_norm(&x, &[1.0, 1.0], 1e-12, &mut o);
         let r = (12.5f32).sqrt();
         assert!((o[0] - 3.0 / r).abs() < 1e-6 && (o[1] - 4.0 / r).abs() < 1e-6);
-        assert_eq!(&o[2..], &[0.0, 0.0]);
+        assert_eq!(&o[2..], &[0.0, 0.0], "a zero row stays zero");
     }
 
     #[test]
