@@ -55,6 +55,9 @@ pub enum BenchMode {
         #[arg(long, default_value_t = 128)]
         new_tokens: usize,
     },
+    /// The engine offline: batched vs one-at-a-time throughput, prefix-hit time to first
+    /// token, exposed CPU time per decode step (CPU; records as JSON lines).
+    Offline(super::bench_offline::OfflineArgs),
 }
 
 struct Point {
@@ -103,6 +106,19 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
 
 /// Runs `deepinfer bench`.
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    if let BenchMode::Offline(o) = &a.mode {
+        let mut sink: Box<dyn Write> = match &a.output {
+            Some(p) => Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .with_context(|| format!("opening {}", p.display()))?,
+            ),
+            None => Box::new(std::io::stdout()),
+        };
+        return super::bench_offline::run(a.model.as_deref(), a.threads, a.repeats, o, &mut sink);
+    }
     let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
     let loaded = crate::model::load(&path, Device::Cpu { threads: a.threads.max(1) }).with_context(|| format!("loading {}", path.display()))?;
     let model = loaded.model.as_ref();
@@ -115,6 +131,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             .iter()
             .map(|&b| Point { mode: "decode", batch: b, prompt_len: *prompt_len, new_tokens: *new_tokens })
             .collect(),
+        BenchMode::Offline(_) => Vec::new(),
     };
     let model_name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
     let commit = commit();

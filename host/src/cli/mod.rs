@@ -1,6 +1,7 @@
 //! Command-line interface: flag parsing and the subcommands.
 
 mod bench;
+mod bench_offline;
 mod eval;
 mod generate;
 mod jsonl_out;

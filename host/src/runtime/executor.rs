@@ -82,6 +82,16 @@ pub fn run_executor(model: &dyn CausalLm, kv: &mut KvCache, io: ExecutorIo) {
                     .iter()
                     .all(|e| e.token_ids.len() == 1 && e.new_seq.is_none()),
         };
+        tracing::debug!(
+            step = out.step,
+            seqs = timing.num_seqs,
+            tokens = timing.num_tokens,
+            gap_ms = timing.gap_s.unwrap_or(0.0) * 1e3,
+            wait_plan_ms = wait_plan_s * 1e3,
+            wait_sample_ms = wait_sample_s * 1e3,
+            forward_ms = timing.forward_s * 1e3,
+            "executor step"
+        );
         if io
             .jobs
             .send(SampleJob {

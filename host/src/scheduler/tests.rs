@@ -333,3 +333,16 @@ fn a_sample_finished_while_parked_is_not_forked() {
     );
     assert_eq!(s.kv_stats().blocks_used, 0);
 }
+
+#[test]
+fn a_request_that_ends_in_its_prompt_step_still_caches_the_prompt() {
+    let (mut s, mut m) = (sched(32, 16, 256, 8), FakeModel::new(32, 16, VOCAB));
+    let prompt: Vec<TokenId> = (1..=40).collect();
+    s.add_request(req(1, prompt.clone(), 1)).unwrap();
+    run_all(&mut s, &mut m);
+    s.add_request(req(2, prompt, 1)).unwrap();
+    let (out, _) = step(&mut s, &mut m);
+    assert_eq!(out.seqs[0].num_cached_tokens, 32);
+    run_all(&mut s, &mut m);
+    assert_eq!(s.kv_stats().blocks_used, 0);
+}

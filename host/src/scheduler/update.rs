@@ -104,9 +104,11 @@ impl Scheduler {
             new_tokens,
             finish,
         });
-        match finish {
-            Some(reason) => outcome.finished.extend(self.finish_seq(id, reason)),
-            None => self.publish(id, computed),
+        // Publish before a finish frees the blocks, so that a request that ends in the step
+        // that computed its prompt (max_tokens = 1) still leaves its prefix cached.
+        self.publish(id, computed);
+        if let Some(reason) = finish {
+            outcome.finished.extend(self.finish_seq(id, reason));
         }
         Ok(())
     }
