@@ -160,6 +160,13 @@ impl Tokenizer {
         }
     }
 
+    /// Writes the tokenizer as an HF `tokenizer.json`.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, false)
+            .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
+    }
+
     pub fn is_eos(&self, id: TokenId) -> bool {
         self.eos.contains(&id)
     }
