@@ -12,7 +12,11 @@ use deepinfer::model::tiny::TinyLlama;
 use deepinfer::runtime::{FinishReason, PromptInput};
 use deepinfer::Error;
 
-fn write_tiny(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<TensorOut>)) -> std::path::PathBuf {
+fn write_tiny(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<TensorOut>),
+) -> std::path::PathBuf {
     let (mut meta, mut tensors) = TinyLlama::default().build();
     edit(&mut meta, &mut tensors);
     let p = dir.join(name);
@@ -32,7 +36,14 @@ fn tiny_model_loads_and_generates() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "ok.gguf", |_, _| {});
     let llm = common::engine(common::load_cpu(&p).expect("tiny model loads"));
-    let out = llm.generate(&[common::greedy("a", PromptInput::Text("hello world".into()), 5)], &mut |_| {});
+    let out = llm.generate(
+        &[common::greedy(
+            "a",
+            PromptInput::Text("hello world".into()),
+            5,
+        )],
+        &mut |_| {},
+    );
     assert_eq!(out[0].token_ids.len(), 5, "{:?}", out[0]);
     assert_eq!(out[0].finish_reason, FinishReason::Length);
 }
@@ -56,9 +67,15 @@ fn truncated_gguf_is_refused_at_every_cut() {
     for cut in [3usize, 8, 30, 200, 5000, bytes.len() / 2, bytes.len() - 1] {
         std::fs::write(&cut_path, &bytes[..cut]).unwrap();
         let e = load_err(&cut_path);
-        assert!(matches!(e, Error::BadGguf { .. } | Error::NotGguf { .. }), "cut {cut}: {e}");
+        assert!(
+            matches!(e, Error::BadGguf { .. } | Error::NotGguf { .. }),
+            "cut {cut}: {e}"
+        );
         let msg = e.to_string();
-        assert!(msg.contains("truncated") || msg.contains("GGUF"), "cut {cut}: {msg}");
+        assert!(
+            msg.contains("truncated") || msg.contains("GGUF"),
+            "cut {cut}: {msg}"
+        );
     }
 }
 
@@ -67,23 +84,34 @@ fn unknown_tensor_type_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "t.gguf", |_, t| t[2].type_id = 99);
     let e = load_err(&p);
-    assert!(matches!(e, Error::UnknownTensorType { type_id: 99, .. }), "{e}");
+    assert!(
+        matches!(e, Error::UnknownTensorType { type_id: 99, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains("blk.0.attn_norm.weight"), "{e}");
 }
 
 #[test]
 fn missing_tensor_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let p = write_tiny(dir.path(), "m.gguf", |_, t| t.retain(|x| x.name != "blk.1.ffn_up.weight"));
+    let p = write_tiny(dir.path(), "m.gguf", |_, t| {
+        t.retain(|x| x.name != "blk.1.ffn_up.weight")
+    });
     let e = load_err(&p);
-    assert!(matches!(&e, Error::MissingTensor(n) if n == "blk.1.ffn_up.weight"), "{e}");
+    assert!(
+        matches!(&e, Error::MissingTensor(n) if n == "blk.1.ffn_up.weight"),
+        "{e}"
+    );
 }
 
 #[test]
 fn shape_contradicting_metadata_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "s.gguf", |_, t| {
-        let q = t.iter_mut().find(|x| x.name == "blk.0.attn_q.weight").unwrap();
+        let q = t
+            .iter_mut()
+            .find(|x| x.name == "blk.0.attn_q.weight")
+            .unwrap();
         *q = TensorOut::f32("blk.0.attn_q.weight", &[32, 64], &vec![0.0; 32 * 64]);
     });
     let e = load_err(&p);
@@ -94,7 +122,9 @@ fn shape_contradicting_metadata_is_named() {
 #[test]
 fn unknown_architecture_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let p = write_tiny(dir.path(), "a.gguf", |m, _| m[0].1 = MetaValue::Str("frobnicator".into()));
+    let p = write_tiny(dir.path(), "a.gguf", |m, _| {
+        m[0].1 = MetaValue::Str("frobnicator".into())
+    });
     let e = load_err(&p);
     assert!(matches!(e, Error::UnknownArchitecture(..)), "{e}");
     assert!(e.to_string().contains("frobnicator"), "{e}");
@@ -114,11 +144,27 @@ fn over_long_and_empty_prompts_fail_alone() {
     ];
     let out = llm.generate(&reqs, &mut |_| {});
     assert_eq!(out[0].finish_reason, FinishReason::Error);
-    assert!(out[0].error.as_deref().unwrap().contains("context window"), "{:?}", out[0].error);
-    assert!(out[1].error.as_deref().unwrap().contains("empty"), "{:?}", out[1].error);
+    assert!(
+        out[0].error.as_deref().unwrap().contains("context window"),
+        "{:?}",
+        out[0].error
+    );
+    assert!(
+        out[1].error.as_deref().unwrap().contains("empty"),
+        "{:?}",
+        out[1].error
+    );
     assert_eq!(out[2].error, None);
     assert_eq!(out[2].token_ids.len(), 4);
-    assert!(out[3].error.as_deref().unwrap().contains("outside the vocabulary"), "{:?}", out[3].error);
+    assert!(
+        out[3]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("outside the vocabulary"),
+        "{:?}",
+        out[3].error
+    );
 }
 
 #[test]
@@ -152,5 +198,8 @@ fn cli_rejects_unknown_prompt_file_keys() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("p.jsonl:1") && stderr.contains("temprature"), "{stderr}");
+    assert!(
+        stderr.contains("p.jsonl:1") && stderr.contains("temprature"),
+        "{stderr}"
+    );
 }

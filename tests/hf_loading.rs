@@ -20,7 +20,9 @@ fn hf_name(gguf: &str) -> String {
         "output_norm.weight" => "model.norm.weight".to_string(),
         _ => unreachable!("{n}"),
     };
-    let Some(rest) = gguf.strip_prefix("blk.") else { return top(gguf) };
+    let Some(rest) = gguf.strip_prefix("blk.") else {
+        return top(gguf);
+    };
     let (layer, name) = rest.split_once('.').unwrap();
     let hf = match name {
         "attn_norm.weight" => "input_layernorm",
@@ -56,7 +58,13 @@ fn unpermute(t: &TensorOut, heads: usize) -> Vec<u8> {
     out
 }
 
-fn write_hf(dir: &Path, spec: &TinyLlama, tensors: &[TensorOut], shards: usize, gguf: &LoadedModel) {
+fn write_hf(
+    dir: &Path,
+    spec: &TinyLlama,
+    tensors: &[TensorOut],
+    shards: usize,
+    gguf: &LoadedModel,
+) {
     let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|t| {
@@ -67,22 +75,36 @@ fn write_hf(dir: &Path, spec: &TinyLlama, tensors: &[TensorOut], shards: usize, 
             } else {
                 t.data.clone()
             };
-            (hf_name(&t.name), t.dims.iter().rev().map(|&d| d as usize).collect(), data)
+            (
+                hf_name(&t.name),
+                t.dims.iter().rev().map(|&d| d as usize).collect(),
+                data,
+            )
         })
         .collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     let per = named.len().div_ceil(shards);
     let mut weight_map = serde_json::Map::new();
     for (i, chunk) in named.chunks(per).enumerate() {
-        let file = if shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{shards:05}.safetensors", i + 1) };
+        let file = if shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{shards:05}.safetensors", i + 1)
+        };
         let views: Vec<(String, TensorView)> = chunk
             .iter()
-            .map(|(n, shape, data)| (n.clone(), TensorView::new(Dtype::F32, shape.clone(), data).unwrap()))
+            .map(|(n, shape, data)| {
+                (
+                    n.clone(),
+                    TensorView::new(Dtype::F32, shape.clone(), data).unwrap(),
+                )
+            })
             .collect();
         for (n, _) in &views {
             weight_map.insert(n.clone(), serde_json::Value::String(file.clone()));
         }
-        safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &dir.join(&file)).unwrap();
+        safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &dir.join(&file))
+            .unwrap();
     }
     if shards > 1 {
         let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
@@ -97,7 +119,9 @@ fn write_hf(dir: &Path, spec: &TinyLlama, tensors: &[TensorOut], shards: usize, 
         "tie_word_embeddings": true, "bos_token_id": 1, "eos_token_id": 2
     });
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    gguf.tokenizer.save_json(&dir.join("tokenizer.json")).unwrap();
+    gguf.tokenizer
+        .save_json(&dir.join("tokenizer.json"))
+        .unwrap();
 }
 
 fn logits(m: &LoadedModel, tokens: &[u32]) -> Vec<f32> {
@@ -126,18 +150,33 @@ fn hf_folders_single_and_sharded_match_the_gguf_checkpoint() {
         let hf = common::load_cpu(&hf_dir).unwrap_or_else(|e| panic!("{shards} shards: {e}"));
         assert_eq!(hf.tokenizer.encode(text).unwrap(), ids);
         let got = logits(&hf, &ids);
-        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(diff < 1e-3, "{shards} shard(s): max logit difference {diff}");
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff < 1e-3,
+            "{shards} shard(s): max logit difference {diff}"
+        );
     }
 }
 
 #[test]
 fn hf_config_errors_name_the_key() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64}"#,
+    )
+    .unwrap();
     let e = common::load_cpu(dir.path()).unwrap_err().to_string();
     assert!(e.contains("num_attention_heads"), "{e}");
-    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "gpt-neo"}"#).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type": "gpt-neo"}"#,
+    )
+    .unwrap();
     let e = common::load_cpu(dir.path()).unwrap_err().to_string();
     assert!(e.contains("gpt-neo"), "{e}");
 }

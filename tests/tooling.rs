@@ -12,7 +12,11 @@ fn deepinfer(args: &[&str]) -> std::process::Output {
         .arg(&model)
         .output()
         .expect("runs");
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -21,26 +25,68 @@ fn bench_writes_records_and_plot_draws_them() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("bench.jsonl");
     let rec_s = rec.to_str().unwrap();
-    deepinfer(&["bench", "--repeats", "2", "--warmup", "0", "--threads", "2", "--output", rec_s, "prefill", "--lengths", "16,48"]);
-    deepinfer(&["bench", "--repeats", "1", "--warmup", "0", "--threads", "2", "--output", rec_s, "decode", "--batch", "1,4", "--prompt-len", "8", "--new-tokens", "4"]);
+    deepinfer(&[
+        "bench",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "2",
+        "--output",
+        rec_s,
+        "prefill",
+        "--lengths",
+        "16,48",
+    ]);
+    deepinfer(&[
+        "bench",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "2",
+        "--output",
+        rec_s,
+        "decode",
+        "--batch",
+        "1,4",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+    ]);
     let text = std::fs::read_to_string(&rec).unwrap();
-    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("valid JSON")).collect();
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("valid JSON"))
+        .collect();
     assert_eq!(recs.len(), 4);
     for r in &recs {
         assert!(r["median_s"].as_f64().unwrap() > 0.0);
         assert!(r["device"].as_str().unwrap().starts_with("cpu"));
     }
     assert!(recs[0]["prefill_tok_s"].as_f64().unwrap() > 0.0);
-    assert!(recs[3]["tok_s_per_device"].as_f64().unwrap() > recs[3]["tok_s_per_user"].as_f64().unwrap());
+    assert!(
+        recs[3]["tok_s_per_device"].as_f64().unwrap() > recs[3]["tok_s_per_user"].as_f64().unwrap()
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
         .args(["plot", rec_s, "--out-dir"])
         .arg(dir.path())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for f in ["pareto.svg", "prefill.svg"] {
         let svg = std::fs::read_to_string(dir.path().join(f)).unwrap();
-        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{f}");
+        assert!(
+            svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+            "{f}"
+        );
         assert!(svg.contains("<circle"), "{f} has no points");
     }
 }
@@ -50,14 +96,38 @@ fn eval_generates_and_scores_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let gen = dir.path().join("gen.jsonl");
     let gen_s = gen.to_str().unwrap();
-    deepinfer(&["eval", "generate", "--questions", "3", "-k", "2", "--max-tokens", "12", "--threads", "2", "-o", gen_s]);
-    let lines: Vec<serde_json::Value> =
-        std::fs::read_to_string(&gen).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    deepinfer(&[
+        "eval",
+        "generate",
+        "--questions",
+        "3",
+        "-k",
+        "2",
+        "--max-tokens",
+        "12",
+        "--threads",
+        "2",
+        "-o",
+        gen_s,
+    ]);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&gen)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 6);
-    let seeds: std::collections::HashSet<u64> = lines.iter().map(|l| l["seed"].as_u64().unwrap()).collect();
+    let seeds: std::collections::HashSet<u64> =
+        lines.iter().map(|l| l["seed"].as_u64().unwrap()).collect();
     assert_eq!(seeds.len(), 6, "each sample records its own seed");
-    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer")).args(["eval", "score", gen_s]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["eval", "score", gen_s])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["samples"], 6);
     assert_eq!(report["questions"], 3);

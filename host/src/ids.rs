@@ -5,7 +5,9 @@
 pub type TokenId = u32;
 
 /// One generation request, unique within an engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct RequestId(pub u64);
 
 /// A physical KV-cache block.

@@ -11,7 +11,8 @@ use deepinfer::sampling::{NativeSampler, SamplingParams};
 
 /// The default model, fetched through the same path `deepinfer generate` uses.
 pub fn default_model_path() -> PathBuf {
-    fetch::resolve_model(None, &mut |m| eprintln!("test setup: {m}")).expect("the default model is available")
+    fetch::resolve_model(None, &mut |m| eprintln!("test setup: {m}"))
+        .expect("the default model is available")
 }
 
 pub fn default_model() -> LoadedModel {
@@ -31,7 +32,14 @@ pub fn engine_with(model: LoadedModel, opts: EngineOptions) -> Llm {
 }
 
 pub fn greedy(id: &str, prompt: PromptInput, max_tokens: usize) -> Request {
-    Request::new(id, prompt, SamplingParams { max_tokens, ..Default::default() })
+    Request::new(
+        id,
+        prompt,
+        SamplingParams {
+            max_tokens,
+            ..Default::default()
+        },
+    )
 }
 
 /// The reference vectors in `tests/data/smollm2_greedy.json`.
@@ -43,10 +51,19 @@ pub struct RefCase {
 }
 
 pub fn reference_cases() -> Vec<RefCase> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/data/smollm2_greedy.json");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).expect("reference file")).expect("json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/data/smollm2_greedy.json"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("reference file"))
+            .expect("json");
     let ids = |x: &serde_json::Value| -> Vec<u32> {
-        x.as_array().expect("array").iter().map(|t| t.as_u64().expect("id") as u32).collect()
+        x.as_array()
+            .expect("array")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect()
     };
     v.as_array()
         .expect("list")

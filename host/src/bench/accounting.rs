@@ -48,11 +48,18 @@ pub struct DecodeRates {
 
 fn rates(steps_per_s: f64, requests_per_rank: usize, tau: f64) -> DecodeRates {
     let per_user = steps_per_s * tau;
-    DecodeRates { tok_s_per_user: per_user, tok_s_per_device: per_user * requests_per_rank as f64 }
+    DecodeRates {
+        tok_s_per_user: per_user,
+        tok_s_per_device: per_user * requests_per_rank as f64,
+    }
 }
 
 /// The full-acceptance figure (τ = 1 + nextn).
-pub fn full_acceptance(steps_per_s: f64, requests_per_rank: usize, d: &DraftSpec) -> Result<DecodeRates, AccountingError> {
+pub fn full_acceptance(
+    steps_per_s: f64,
+    requests_per_rank: usize,
+    d: &DraftSpec,
+) -> Result<DecodeRates, AccountingError> {
     if d.variable_length {
         return Err(AccountingError::VariableLength);
     }
@@ -60,7 +67,11 @@ pub fn full_acceptance(steps_per_s: f64, requests_per_rank: usize, d: &DraftSpec
 }
 
 /// The measured-acceptance figure (τ = 1 + nextn × a).
-pub fn measured_acceptance(steps_per_s: f64, requests_per_rank: usize, d: &DraftSpec) -> Result<DecodeRates, AccountingError> {
+pub fn measured_acceptance(
+    steps_per_s: f64,
+    requests_per_rank: usize,
+    d: &DraftSpec,
+) -> Result<DecodeRates, AccountingError> {
     if d.variable_length {
         return Err(AccountingError::VariableLength);
     }
@@ -70,18 +81,32 @@ pub fn measured_acceptance(steps_per_s: f64, requests_per_rank: usize, d: &Draft
 
 /// Rates of a variable-length record: its step rate is converted with the accepted tokens it
 /// measured per request per step (no draft factor on top).
-pub fn variable_length(steps_per_s: f64, requests_per_rank: usize, accepted_per_step: f64) -> DecodeRates {
+pub fn variable_length(
+    steps_per_s: f64,
+    requests_per_rank: usize,
+    accepted_per_step: f64,
+) -> DecodeRates {
     rates(steps_per_s, requests_per_rank, accepted_per_step)
 }
 
 /// Prefill tokens/s per device, counting only the uncached suffix of each prompt.
-pub fn prefill_tok_s_per_device(prompt_tokens: usize, cached_tokens: usize, seconds: f64, devices: usize) -> f64 {
+pub fn prefill_tok_s_per_device(
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    seconds: f64,
+    devices: usize,
+) -> f64 {
     prompt_tokens.saturating_sub(cached_tokens) as f64 / seconds / devices.max(1) as f64
 }
 
 /// Latency of one prefill window: the uncached tokens of the window at a per-device rate over
 /// `devices` devices.
-pub fn prefill_window_latency_s(window_tokens: usize, cached_tokens: usize, tok_s_per_device: f64, devices: usize) -> f64 {
+pub fn prefill_window_latency_s(
+    window_tokens: usize,
+    cached_tokens: usize,
+    tok_s_per_device: f64,
+    devices: usize,
+) -> f64 {
     window_tokens.saturating_sub(cached_tokens) as f64 / (tok_s_per_device * devices.max(1) as f64)
 }
 
@@ -91,7 +116,11 @@ mod tests {
 
     #[test]
     fn full_acceptance_factor_is_one_plus_nextn() {
-        let d = DraftSpec { nextn: 5, acceptance: None, variable_length: false };
+        let d = DraftSpec {
+            nextn: 5,
+            acceptance: None,
+            variable_length: false,
+        };
         let r = full_acceptance(10.0, 64, &d).unwrap();
         assert_eq!(r.tok_s_per_user, 60.0);
         assert_eq!(r.tok_s_per_device, 3840.0);
@@ -99,7 +128,11 @@ mod tests {
 
     #[test]
     fn measured_acceptance_conversion() {
-        let d = DraftSpec { nextn: 5, acceptance: Some(0.75), variable_length: false };
+        let d = DraftSpec {
+            nextn: 5,
+            acceptance: Some(0.75),
+            variable_length: false,
+        };
         let r = measured_acceptance(10.0, 64, &d).unwrap();
         assert!((r.tok_s_per_user - 47.5).abs() < 1e-9);
         assert!((r.tok_s_per_device - 3040.0).abs() < 1e-9);
@@ -107,19 +140,43 @@ mod tests {
 
     #[test]
     fn variable_length_records_refuse_the_factor() {
-        let d = DraftSpec { nextn: 5, acceptance: Some(0.75), variable_length: true };
-        assert_eq!(full_acceptance(10.0, 64, &d), Err(AccountingError::VariableLength));
-        assert_eq!(measured_acceptance(10.0, 64, &d), Err(AccountingError::VariableLength));
+        let d = DraftSpec {
+            nextn: 5,
+            acceptance: Some(0.75),
+            variable_length: true,
+        };
+        assert_eq!(
+            full_acceptance(10.0, 64, &d),
+            Err(AccountingError::VariableLength)
+        );
+        assert_eq!(
+            measured_acceptance(10.0, 64, &d),
+            Err(AccountingError::VariableLength)
+        );
         let r = variable_length(10.0, 64, 3.2);
         assert!((r.tok_s_per_user - 32.0).abs() < 1e-9);
     }
 
     #[test]
     fn acceptance_out_of_range_and_missing_are_errors() {
-        let d = DraftSpec { nextn: 3, acceptance: Some(1.5), variable_length: false };
-        assert_eq!(measured_acceptance(1.0, 1, &d), Err(AccountingError::BadAcceptance(1.5)));
-        let d = DraftSpec { nextn: 3, acceptance: None, variable_length: false };
-        assert_eq!(measured_acceptance(1.0, 1, &d), Err(AccountingError::NoAcceptance));
+        let d = DraftSpec {
+            nextn: 3,
+            acceptance: Some(1.5),
+            variable_length: false,
+        };
+        assert_eq!(
+            measured_acceptance(1.0, 1, &d),
+            Err(AccountingError::BadAcceptance(1.5))
+        );
+        let d = DraftSpec {
+            nextn: 3,
+            acceptance: None,
+            variable_length: false,
+        };
+        assert_eq!(
+            measured_acceptance(1.0, 1, &d),
+            Err(AccountingError::NoAcceptance)
+        );
     }
 
     #[test]

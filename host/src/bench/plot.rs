@@ -19,8 +19,8 @@ pub fn read_records(paths: &[impl AsRef<Path>]) -> Result<Vec<BenchRecord>, Stri
             if line.trim().is_empty() {
                 continue;
             }
-            let r: BenchRecord =
-                serde_json::from_str(line).map_err(|e| format!("{}:{}: not a bench record: {e}", p.display(), i + 1))?;
+            let r: BenchRecord = serde_json::from_str(line)
+                .map_err(|e| format!("{}:{}: not a bench record: {e}", p.display(), i + 1))?;
             out.push(r);
         }
     }
@@ -44,7 +44,10 @@ pub fn latest_per_point(records: Vec<BenchRecord>) -> Vec<BenchRecord> {
 }
 
 /// Groups records by configuration; more than one group is an error unless `compare`.
-pub fn series(records: &[BenchRecord], compare: bool) -> Result<BTreeMap<String, Vec<&BenchRecord>>, String> {
+pub fn series(
+    records: &[BenchRecord],
+    compare: bool,
+) -> Result<BTreeMap<String, Vec<&BenchRecord>>, String> {
     let mut groups: BTreeMap<String, Vec<&BenchRecord>> = BTreeMap::new();
     for r in records {
         groups.entry(r.config_key()).or_default().push(r);
@@ -129,7 +132,11 @@ fn draw(
 
 /// Decode records -> Pareto SVG (per-user tok/s on x, tok/s per device on y).
 pub fn pareto_svg(records: &[BenchRecord], path: &Path, compare: bool) -> Result<(), String> {
-    let decode: Vec<BenchRecord> = records.iter().filter(|r| r.mode == "decode").cloned().collect();
+    let decode: Vec<BenchRecord> = records
+        .iter()
+        .filter(|r| r.mode == "decode")
+        .cloned()
+        .collect();
     let groups = series(&decode, compare)?;
     let mut drawn = Vec::new();
     for (i, (name, rs)) in groups.into_iter().enumerate() {
@@ -140,31 +147,54 @@ pub fn pareto_svg(records: &[BenchRecord], path: &Path, compare: bool) -> Result
         drawn.push((format!("{name} (front)"), pareto_front(&pts), true, i));
         drawn.push((name, pts, false, i));
     }
-    draw(path, "Decode: per-user vs per-device throughput", ("tok/s per user", "tok/s per device"), &drawn)
+    draw(
+        path,
+        "Decode: per-user vs per-device throughput",
+        ("tok/s per user", "tok/s per device"),
+        &drawn,
+    )
 }
 
 /// Prefill records -> SVG of prefill tok/s against prompt length.
 pub fn prefill_svg(records: &[BenchRecord], path: &Path, compare: bool) -> Result<(), String> {
-    let prefill: Vec<BenchRecord> = records.iter().filter(|r| r.mode == "prefill").cloned().collect();
+    let prefill: Vec<BenchRecord> = records
+        .iter()
+        .filter(|r| r.mode == "prefill")
+        .cloned()
+        .collect();
     let groups = series(&prefill, compare)?;
     let drawn: Vec<_> = groups
         .into_iter()
         .enumerate()
         .map(|(i, (name, rs))| {
-            let mut pts: Vec<(f64, f64)> =
-                rs.iter().filter_map(|r| Some((r.prompt_len as f64, r.prefill_tok_s?))).collect();
+            let mut pts: Vec<(f64, f64)> = rs
+                .iter()
+                .filter_map(|r| Some((r.prompt_len as f64, r.prefill_tok_s?)))
+                .collect();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             (name, pts, true, i)
         })
         .collect();
-    draw(path, "Prefill throughput", ("prompt tokens", "prefill tok/s per device"), &drawn)
+    draw(
+        path,
+        "Prefill throughput",
+        ("prompt tokens", "prefill tok/s per device"),
+        &drawn,
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn rec(mode: &str, engine: &str, batch: usize, len: usize, median: f64, ts: u64) -> BenchRecord {
+    fn rec(
+        mode: &str,
+        engine: &str,
+        batch: usize,
+        len: usize,
+        median: f64,
+        ts: u64,
+    ) -> BenchRecord {
         let mut r: BenchRecord = serde_json::from_value(serde_json::json!({
             "mode": mode, "engine": engine, "model": "m", "device": "cpu", "threads": 2, "batch": batch,
             "prompt_len": len, "new_tokens": 8, "warmup": 1, "commit": "x", "raw_s": [median],
@@ -177,7 +207,11 @@ mod tests {
 
     #[test]
     fn latest_record_wins_for_a_repeated_point() {
-        let recs = vec![rec("decode", "a", 1, 8, 0.1, 5), rec("decode", "a", 1, 8, 0.2, 9), rec("decode", "a", 1, 8, 0.4, 7)];
+        let recs = vec![
+            rec("decode", "a", 1, 8, 0.1, 5),
+            rec("decode", "a", 1, 8, 0.2, 9),
+            rec("decode", "a", 1, 8, 0.4, 7),
+        ];
         let kept = latest_per_point(recs);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept[0].median_s, 0.2);
@@ -185,7 +219,10 @@ mod tests {
 
     #[test]
     fn mixed_configurations_are_refused_unless_compared() {
-        let recs = vec![rec("decode", "a", 1, 8, 0.1, 1), rec("decode", "b", 1, 8, 0.1, 1)];
+        let recs = vec![
+            rec("decode", "a", 1, 8, 0.1, 1),
+            rec("decode", "b", 1, 8, 0.1, 1),
+        ];
         let e = series(&recs, false).unwrap_err();
         assert!(e.contains("--compare"), "{e}");
         assert_eq!(series(&recs, true).unwrap().len(), 2);
@@ -209,7 +246,11 @@ mod tests {
         let p = dir.path().join("pareto.svg");
         pareto_svg(&recs, &p, false).unwrap();
         let svg = std::fs::read_to_string(&p).unwrap();
-        assert!(svg.starts_with("<svg") && svg.contains("tok/s per device") && svg.matches("<circle").count() >= 2);
+        assert!(
+            svg.starts_with("<svg")
+                && svg.contains("tok/s per device")
+                && svg.matches("<circle").count() >= 2
+        );
         let p2 = dir.path().join("prefill.svg");
         prefill_svg(&recs, &p2, false).unwrap();
         assert!(std::fs::read_to_string(&p2).unwrap().contains("<polyline"));

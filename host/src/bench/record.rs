@@ -23,8 +23,17 @@ impl Summary {
         let mut v = values.to_vec();
         v.sort_by(|a, b| a.total_cmp(b));
         let n = v.len();
-        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
-        Some(Summary { median, min: v[0], max: v[n - 1], n })
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Summary {
+            median,
+            min: v[0],
+            max: v[n - 1],
+            n,
+        })
     }
 }
 
@@ -79,11 +88,18 @@ impl BenchRecord {
     /// decode converts steps to tokens with the draft accounting (measured acceptance where
     /// known; variable-length drafts get no factor).
     pub fn derive(&mut self) {
-        let Some(s) = Summary::of(&self.raw_s) else { return };
+        let Some(s) = Summary::of(&self.raw_s) else {
+            return;
+        };
         self.median_s = s.median;
         match self.mode.as_str() {
             "prefill" => {
-                let per_seq = accounting::prefill_tok_s_per_device(self.prompt_len, self.cached_prefix_len, s.median, 1);
+                let per_seq = accounting::prefill_tok_s_per_device(
+                    self.prompt_len,
+                    self.cached_prefix_len,
+                    s.median,
+                    1,
+                );
                 self.prefill_tok_s = Some(per_seq * self.batch as f64);
             }
             _ => {
@@ -118,7 +134,11 @@ impl BenchRecord {
             self.threads,
             self.new_tokens,
             self.drafts.nextn,
-            if self.drafts.variable_length { " (variable)" } else { "" }
+            if self.drafts.variable_length {
+                " (variable)"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -162,7 +182,11 @@ mod tests {
         assert!((r.decode_steps_s.unwrap() - 10.0).abs() < 1e-9);
         assert!((r.tok_s_per_device.unwrap() - 80.0).abs() < 1e-9);
         // with drafts: 5 per step at measured acceptance 0.75 -> τ = 4.75
-        r.drafts = DraftSpec { nextn: 5, acceptance: Some(0.75), variable_length: false };
+        r.drafts = DraftSpec {
+            nextn: 5,
+            acceptance: Some(0.75),
+            variable_length: false,
+        };
         r.derive();
         assert!((r.tok_s_per_user.unwrap() - 47.5).abs() < 1e-9);
         assert!((r.tok_s_per_user_full_acceptance.unwrap() - 60.0).abs() < 1e-9);

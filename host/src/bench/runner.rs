@@ -54,7 +54,12 @@ pub fn decode_steps(
     let mut last = Vec::with_capacity(batch);
     for (i, table) in tables.iter().enumerate() {
         let mut b = Batch::default();
-        b.push(&synthetic_prompt(prompt_len, vocab, i as u64 + 1), 0, table.clone(), true);
+        b.push(
+            &synthetic_prompt(prompt_len, vocab, i as u64 + 1),
+            0,
+            table.clone(),
+            true,
+        );
         let logits = model.forward(&b, &mut kv)?;
         last.push(argmax(&logits));
     }

@@ -48,9 +48,7 @@ pub enum EvalCommand {
         threads: Option<usize>,
     },
     /// Score a samples file: pass@1 (mean over samples) with its standard error.
-    Score {
-        samples: PathBuf,
-    },
+    Score { samples: PathBuf },
     /// Perplexity of a text file under the model.
     Ppl {
         text: PathBuf,
@@ -76,14 +74,25 @@ fn read_tasks(path: &PathBuf) -> anyhow::Result<Vec<Task>> {
         .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
         .map(|(i, l)| {
             let l = l?;
-            serde_json::from_str(&l).with_context(|| format!("{}:{}: not a task", path.display(), i + 1))
+            serde_json::from_str(&l)
+                .with_context(|| format!("{}:{}: not a task", path.display(), i + 1))
         })
         .collect()
 }
 
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     match a.command {
-        EvalCommand::Generate { tasks, questions, k, temperature, max_tokens, seed, output, model, threads } => {
+        EvalCommand::Generate {
+            tasks,
+            questions,
+            k,
+            temperature,
+            max_tokens,
+            seed,
+            output,
+            model,
+            threads,
+        } => {
             let tasks = match tasks {
                 Some(p) => read_tasks(&p)?,
                 None => arithmetic_tasks(questions, seed),
@@ -93,14 +102,27 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             }
             let path = resolve_model(model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
             let loaded = crate::model::load(&path, device(threads))?;
-            let llm = Llm::new(loaded, Arc::new(NativeSampler), EngineOptions { seed, ..Default::default() })?;
+            let llm = Llm::new(
+                loaded,
+                Arc::new(NativeSampler),
+                EngineOptions {
+                    seed,
+                    ..Default::default()
+                },
+            )?;
             let mut requests = Vec::new();
             for (i, t) in tasks.iter().enumerate() {
                 for j in 0..k {
-                    let content = format!("{}\nAnswer with the final number or option only.", t.question);
+                    let content = format!(
+                        "{}\nAnswer with the final number or option only.",
+                        t.question
+                    );
                     requests.push(Request::new(
                         format!("{}#{j}", t.id),
-                        PromptInput::Chat(vec![Message { role: "user".into(), content }]),
+                        PromptInput::Chat(vec![Message {
+                            role: "user".into(),
+                            content,
+                        }]),
                         SamplingParams {
                             temperature,
                             max_tokens,
@@ -111,7 +133,8 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
                 }
             }
             let mut out = std::io::BufWriter::new(
-                std::fs::File::create(&output).with_context(|| format!("creating {}", output.display()))?,
+                std::fs::File::create(&output)
+                    .with_context(|| format!("creating {}", output.display()))?,
             );
             let results = llm.generate(&requests, &mut |_| {});
             for (idx, (r, res)) in requests.iter().zip(&results).enumerate() {
@@ -128,16 +151,25 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
                 writeln!(out, "{}", serde_json::to_string(&sample)?)?;
             }
             out.flush()?;
-            eprintln!("deepinfer: wrote {} samples ({} questions x {k}) to {}", results.len(), tasks.len(), output.display());
+            eprintln!(
+                "deepinfer: wrote {} samples ({} questions x {k}) to {}",
+                results.len(),
+                tasks.len(),
+                output.display()
+            );
             Ok(())
         }
         EvalCommand::Score { samples } => {
-            let text = std::fs::read_to_string(&samples).with_context(|| format!("reading {}", samples.display()))?;
+            let text = std::fs::read_to_string(&samples)
+                .with_context(|| format!("reading {}", samples.display()))?;
             let parsed: Vec<Sample> = text
                 .lines()
                 .enumerate()
                 .filter(|(_, l)| !l.trim().is_empty())
-                .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}:{}: not a sample", samples.display(), i + 1)))
+                .map(|(i, l)| {
+                    serde_json::from_str(l)
+                        .with_context(|| format!("{}:{}: not a sample", samples.display(), i + 1))
+                })
                 .collect::<anyhow::Result<_>>()?;
             let r = score_samples(&parsed).context("the samples file is empty")?;
             println!("{}", serde_json::to_string(&r)?);
@@ -147,10 +179,16 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        EvalCommand::Ppl { text, window, model, threads } => {
+        EvalCommand::Ppl {
+            text,
+            window,
+            model,
+            threads,
+        } => {
             let path = resolve_model(model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
             let loaded = crate::model::load(&path, device(threads))?;
-            let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
+            let body = std::fs::read_to_string(&text)
+                .with_context(|| format!("reading {}", text.display()))?;
             let ids = loaded.tokenizer.encode(&body)?;
             let p = perplexity(loaded.model.as_ref(), &ids, window)?;
             println!("{}", serde_json::to_string(&p)?);

@@ -18,7 +18,9 @@ pub struct Perplexity {
 pub fn perplexity(model: &dyn CausalLm, tokens: &[TokenId], window: usize) -> Result<Perplexity> {
     let window = window.clamp(2, model.config().context_len);
     if tokens.len() < 2 {
-        return Err(Error::BadRequest("perplexity needs a text of at least two tokens".into()));
+        return Err(Error::BadRequest(
+            "perplexity needs a text of at least two tokens".into(),
+        ));
     }
     let vocab = model.config().vocab;
     let block = 16;
@@ -36,11 +38,20 @@ pub fn perplexity(model: &dyn CausalLm, tokens: &[TokenId], window: usize) -> Re
         let logits = model.forward(&b, &mut kv)?;
         for (i, row) in logits.chunks_exact(vocab).enumerate() {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + row.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&l| (l as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln();
             nll += lse - row[chunk[i + 1] as usize] as f64;
             n += 1;
         }
     }
     let mean_nll = nll / n as f64;
-    Ok(Perplexity { tokens_scored: n, mean_nll, ppl: mean_nll.exp() })
+    Ok(Perplexity {
+        tokens_scored: n,
+        mean_nll,
+        ppl: mean_nll.exp(),
+    })
 }

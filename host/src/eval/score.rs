@@ -41,7 +41,9 @@ fn last_number(text: &str) -> Option<f64> {
         let start_neg = bytes[i] == '-' && i + 1 < bytes.len() && bytes[i + 1].is_ascii_digit();
         if bytes[i].is_ascii_digit() || start_neg {
             let mut j = i + 1;
-            while j < bytes.len() && (bytes[j].is_ascii_digit() || bytes[j] == ',' || bytes[j] == '.') {
+            while j < bytes.len()
+                && (bytes[j].is_ascii_digit() || bytes[j] == ',' || bytes[j] == '.')
+            {
                 j += 1;
             }
             let s: String = bytes[i..j].iter().filter(|&&c| c != ',').collect();
@@ -160,15 +162,36 @@ mod tests {
 
     #[test]
     fn extraction() {
-        assert_eq!(extract_answer(AnswerKind::Numeric, "3 + 4 = 7. So the answer is 7."), Some("7".into()));
-        assert_eq!(extract_answer(AnswerKind::Numeric, "It costs 1,200 dollars"), Some("1200".into()));
-        assert_eq!(extract_answer(AnswerKind::Numeric, "minus -3"), Some("-3".into()));
+        assert_eq!(
+            extract_answer(AnswerKind::Numeric, "3 + 4 = 7. So the answer is 7."),
+            Some("7".into())
+        );
+        assert_eq!(
+            extract_answer(AnswerKind::Numeric, "It costs 1,200 dollars"),
+            Some("1200".into())
+        );
+        assert_eq!(
+            extract_answer(AnswerKind::Numeric, "minus -3"),
+            Some("-3".into())
+        );
         assert_eq!(extract_answer(AnswerKind::Numeric, "none"), None);
-        assert_eq!(extract_answer(AnswerKind::Choice, "I think (B) is right"), Some("B".into()));
-        assert_eq!(extract_answer(AnswerKind::Choice, "C. Paris"), Some("C".into()));
+        assert_eq!(
+            extract_answer(AnswerKind::Choice, "I think (B) is right"),
+            Some("B".into())
+        );
+        assert_eq!(
+            extract_answer(AnswerKind::Choice, "C. Paris"),
+            Some("C".into())
+        );
         assert_eq!(extract_answer(AnswerKind::Choice, " D "), Some("D".into()));
-        assert_eq!(extract_answer(AnswerKind::Choice, "A cat is not an option"), None);
-        assert_eq!(extract_answer(AnswerKind::Exact, "\n  Paris!\nmore"), Some("paris".into()));
+        assert_eq!(
+            extract_answer(AnswerKind::Choice, "A cat is not an option"),
+            None
+        );
+        assert_eq!(
+            extract_answer(AnswerKind::Exact, "\n  Paris!\nmore"),
+            Some("paris".into())
+        );
     }
 
     #[test]
@@ -176,7 +199,12 @@ mod tests {
         // q1: 1 of 4 right; q2: 4 of 4 right -> pass@1 = 5/8, any-correct = 1.0
         let mut v = Vec::new();
         for i in 0..4 {
-            v.push(s("q1", AnswerKind::Numeric, "5", if i == 0 { "5" } else { "6" }));
+            v.push(s(
+                "q1",
+                AnswerKind::Numeric,
+                "5",
+                if i == 0 { "5" } else { "6" },
+            ));
             v.push(s("q2", AnswerKind::Numeric, "2", "it is 2"));
         }
         let r = score_samples(&v).unwrap();

@@ -175,7 +175,10 @@ impl KvCacheManager {
             .min(block_hashes.len())
             .min(table.blocks.len());
         let start = table.num_published.min(full);
-        for (&block, &hash) in table.blocks[start..full].iter().zip(&block_hashes[start..full]) {
+        for (&block, &hash) in table.blocks[start..full]
+            .iter()
+            .zip(&block_hashes[start..full])
+        {
             // A block whose content another block already publishes stays private.
             self.pool.register(block, hash);
         }

@@ -35,7 +35,13 @@ pub struct Batch {
 
 impl Batch {
     /// Appends a sequence's tokens; `want_logits` asks for the logits of its last token.
-    pub fn push(&mut self, tokens: &[TokenId], pos: usize, block_table: Vec<u32>, want_logits: bool) {
+    pub fn push(
+        &mut self,
+        tokens: &[TokenId],
+        pos: usize,
+        block_table: Vec<u32>,
+        want_logits: bool,
+    ) {
         let start = self.tokens.len();
         self.tokens.extend_from_slice(tokens);
         if want_logits && !tokens.is_empty() {

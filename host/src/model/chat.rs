@@ -23,19 +23,36 @@ pub struct ChatTemplate {
 impl ChatTemplate {
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<ChatTemplate> {
         let mut env = Environment::new();
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::ChatTemplate(format!("template does not compile: {e}")))?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate {
+            env,
+            bos_token,
+            eos_token,
+        })
     }
 
     /// The template stored with a model, if any, with the tokenizer's BOS/EOS strings.
-    pub fn for_tokenizer(source: Option<&str>, tok: &crate::model::tokenizer::Tokenizer) -> Result<Option<ChatTemplate>> {
+    pub fn for_tokenizer(
+        source: Option<&str>,
+        tok: &crate::model::tokenizer::Tokenizer,
+    ) -> Result<Option<ChatTemplate>> {
         let Some(src) = source else { return Ok(None) };
         let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i)).unwrap_or_default();
-        Ok(Some(ChatTemplate::new(src, name(tok.bos), name(tok.eos.first().copied()))?))
+        Ok(Some(ChatTemplate::new(
+            src,
+            name(tok.bos),
+            name(tok.eos.first().copied()),
+        )?))
     }
 
     /// Renders `messages`, appending the assistant's generation prompt when asked.
@@ -56,7 +73,10 @@ impl ChatTemplate {
     /// Wraps one prompt as a user turn with the generation prompt.
     pub fn user_prompt(&self, prompt: &str) -> Result<String> {
         self.render(
-            &[Message { role: "user".into(), content: prompt.into() }],
+            &[Message {
+                role: "user".into(),
+                content: prompt.into(),
+            }],
             true,
         )
     }
@@ -72,7 +92,10 @@ mod tests {
     fn renders_chatml_with_generation_prompt() {
         let t = ChatTemplate::new(CHATML, String::new(), "<|im_end|>".into()).unwrap();
         let s = t.user_prompt("Hi?").unwrap();
-        assert_eq!(s, "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            s,
+            "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]
@@ -83,7 +106,12 @@ mod tests {
 
     #[test]
     fn raise_exception_surfaces_as_error() {
-        let t = ChatTemplate::new("{{ raise_exception('no system role') }}", String::new(), String::new()).unwrap();
+        let t = ChatTemplate::new(
+            "{{ raise_exception('no system role') }}",
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
         let e = t.user_prompt("x").unwrap_err();
         assert!(e.to_string().contains("no system role"), "{e}");
     }

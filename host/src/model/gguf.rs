@@ -355,7 +355,10 @@ impl GgufFile {
     pub fn f64_opt(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| wrong_type(key, "a number")),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| wrong_type(key, "a number")),
         }
     }
 
@@ -363,7 +366,10 @@ impl GgufFile {
     pub fn u64_opt(&self, key: &str) -> Result<Option<u64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(Some).ok_or_else(|| wrong_type(key, "an unsigned integer")),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| wrong_type(key, "an unsigned integer")),
         }
     }
 
@@ -375,7 +381,10 @@ impl GgufFile {
             .as_array()
             .ok_or_else(|| wrong_type(key, "an array"))?;
         arr.iter()
-            .map(|v| v.as_str().ok_or_else(|| wrong_type(key, "an array of strings")))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| wrong_type(key, "an array of strings"))
+            })
             .collect()
     }
 

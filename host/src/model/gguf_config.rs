@@ -20,14 +20,19 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
         .u64_opt(&key("attention.head_count_kv"))?
         .map_or(n_heads, |v| v as usize);
     if n_heads == 0 {
-        return Err(Error::BadMetadata { key: key("attention.head_count"), reason: "is zero".into() });
+        return Err(Error::BadMetadata {
+            key: key("attention.head_count"),
+            reason: "is zero".into(),
+        });
     }
     let head_dim = g
         .u64_opt(&key("attention.key_length"))?
         .map_or(hidden / n_heads, |v| v as usize);
     let ffn = usize_of("feed_forward_length")?;
     let context_len = usize_of("context_length")?;
-    let rms_eps = g.f64_opt(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f32;
+    let rms_eps = g
+        .f64_opt(&key("attention.layer_norm_rms_epsilon"))?
+        .unwrap_or(1e-5) as f32;
     let theta = g.f64_opt(&key("rope.freq_base"))?.unwrap_or(10000.0) as f32;
     let rope_dims = g
         .u64_opt(&key("rope.dimension_count"))?

@@ -31,7 +31,10 @@ pub struct SafetensorsFolder {
 }
 
 fn st_err(path: &Path, reason: impl std::fmt::Display) -> Error {
-    Error::Safetensors { path: path.to_path_buf(), reason: reason.to_string() }
+    Error::Safetensors {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
 }
 
 impl SafetensorsFolder {
@@ -52,13 +55,22 @@ impl SafetensorsFolder {
                     Dtype::F16 => DType::F16,
                     Dtype::BF16 => DType::BF16,
                     other => {
-                        return Err(st_err(&path, format!("tensor `{name}` has unsupported dtype {other:?}")))
+                        return Err(st_err(
+                            &path,
+                            format!("tensor `{name}` has unsupported dtype {other:?}"),
+                        ))
                     }
                 };
                 let (a, b) = info.data_offsets;
                 tensors.insert(
                     name.clone(),
-                    Entry { map: map.clone(), dtype, shape: info.shape.clone(), offset: data_start + a, len: b - a },
+                    Entry {
+                        map: map.clone(),
+                        dtype,
+                        shape: info.shape.clone(),
+                        offset: data_start + a,
+                        len: b - a,
+                    },
                 );
             }
         }
@@ -109,20 +121,39 @@ impl WeightSource for SafetensorsFolder {
     }
 
     fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
-        let e = self.tensors.get(name).ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        let e = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
         if e.shape != shape {
-            return Err(Error::ShapeMismatch { tensor: name.into(), expected: shape.to_vec(), actual: e.shape.clone() });
+            return Err(Error::ShapeMismatch {
+                tensor: name.into(),
+                expected: shape.to_vec(),
+                actual: e.shape.clone(),
+            });
         }
         let cols = *shape.last().unwrap_or(&1);
-        let rows = if shape.len() > 1 { shape[..shape.len() - 1].iter().product() } else { 1 };
+        let rows = if shape.len() > 1 {
+            shape[..shape.len() - 1].iter().product()
+        } else {
+            1
+        };
         if e.dtype.bytes_for(rows * cols) != Some(e.len) {
-            return Err(Error::ShapeMismatch { tensor: name.into(), expected: shape.to_vec(), actual: e.shape.clone() });
+            return Err(Error::ShapeMismatch {
+                tensor: name.into(),
+                expected: shape.to_vec(),
+                actual: e.shape.clone(),
+            });
         }
         Ok(Weight {
             dtype: e.dtype,
             rows,
             cols,
-            data: Bytes::Mapped { map: e.map.clone(), offset: e.offset, len: e.len },
+            data: Bytes::Mapped {
+                map: e.map.clone(),
+                offset: e.offset,
+                len: e.len,
+            },
         })
     }
 }
@@ -140,14 +171,22 @@ fn req_usize(cfg: &Value, key: &str) -> Result<usize> {
     field(cfg, key)
         .and_then(|v| v.as_u64())
         .map(|v| v as usize)
-        .ok_or_else(|| Error::BadConfig(format!("config.json: `{key}` is missing or not a non-negative integer")))
+        .ok_or_else(|| {
+            Error::BadConfig(format!(
+                "config.json: `{key}` is missing or not a non-negative integer"
+            ))
+        })
 }
 
 /// Ids that may be written as a number or a list.
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -155,17 +194,25 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
 /// Reads a Llama-family `config.json` into a [`ModelConfig`]. Rope settings may be written
 /// new-style (`rope_parameters`) or old-style (`rope_theta` + `rope_scaling`).
 pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
-    let model_type = field(cfg, "model_type").and_then(|v| v.as_str()).unwrap_or("");
+    let model_type = field(cfg, "model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
     if !arch::SUPPORTED.contains(&model_type) {
         return Err(arch::unknown(model_type));
     }
     let hidden = req_usize(cfg, "hidden_size")?;
     let n_heads = req_usize(cfg, "num_attention_heads")?;
     if n_heads == 0 {
-        return Err(Error::BadConfig("config.json: num_attention_heads is 0".into()));
+        return Err(Error::BadConfig(
+            "config.json: num_attention_heads is 0".into(),
+        ));
     }
-    let n_kv_heads = field(cfg, "num_key_value_heads").and_then(|v| v.as_u64()).map_or(n_heads, |v| v as usize);
-    let head_dim = field(cfg, "head_dim").and_then(|v| v.as_u64()).map_or(hidden / n_heads, |v| v as usize);
+    let n_kv_heads = field(cfg, "num_key_value_heads")
+        .and_then(|v| v.as_u64())
+        .map_or(n_heads, |v| v as usize);
+    let head_dim = field(cfg, "head_dim")
+        .and_then(|v| v.as_u64())
+        .map_or(hidden / n_heads, |v| v as usize);
     let n_layers = req_usize(cfg, "num_hidden_layers")?;
     let rope_params = field(cfg, "rope_parameters");
     let theta = rope_params
@@ -174,16 +221,34 @@ pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
         .and_then(|v| v.as_f64())
         .unwrap_or(10000.0) as f32;
     let scaling = rope_params.or_else(|| field(cfg, "rope_scaling"));
-    let scale = match scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(|v| v.as_str()) {
+    let scale = match scaling
+        .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+        .and_then(|v| v.as_str())
+    {
         None | Some("default") => 1.0,
-        Some("linear") => scaling.and_then(|s| s.get("factor")).and_then(|v| v.as_f64()).unwrap_or(1.0) as f32,
-        Some(other) => return Err(Error::BadConfig(format!("config.json: rope scaling `{other}` is not supported"))),
+        Some("linear") => scaling
+            .and_then(|s| s.get("factor"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(1.0) as f32,
+        Some(other) => {
+            return Err(Error::BadConfig(format!(
+                "config.json: rope scaling `{other}` is not supported"
+            )))
+        }
     };
     let attention = match field(cfg, "sliding_window").and_then(|v| v.as_u64()) {
         Some(w) if w > 0 => AttentionKind::Sliding { window: w as usize },
         _ => AttentionKind::Full,
     };
-    let spec = LayerSpec { attention, rope: RopeSpec { theta, dims: head_dim, style: RopeStyle::Half, scale } };
+    let spec = LayerSpec {
+        attention,
+        rope: RopeSpec {
+            theta,
+            dims: head_dim,
+            style: RopeStyle::Half,
+            scale,
+        },
+    };
     let c = ModelConfig {
         arch: model_type.to_string(),
         n_layers,
@@ -193,9 +258,15 @@ pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
         head_dim,
         ffn: req_usize(cfg, "intermediate_size")?,
         vocab: req_usize(cfg, "vocab_size")?,
-        context_len: field(cfg, "max_position_embeddings").and_then(|v| v.as_u64()).unwrap_or(4096) as usize,
-        rms_eps: field(cfg, "rms_norm_eps").and_then(|v| v.as_f64()).unwrap_or(1e-5) as f32,
-        tie_embeddings: field(cfg, "tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        context_len: field(cfg, "max_position_embeddings")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(4096) as usize,
+        rms_eps: field(cfg, "rms_norm_eps")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(1e-5) as f32,
+        tie_embeddings: field(cfg, "tie_word_embeddings")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false),
         layers: vec![spec; n_layers],
     };
     c.validate()?;
@@ -219,8 +290,19 @@ pub fn load(dir: &Path, device: crate::backend::Device) -> Result<LoadedModel> {
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
     let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos, add_bos)?;
-    let chat_template = ChatTemplate::for_tokenizer(tok_cfg.as_ref().and_then(|t| t.get("chat_template")).and_then(|v| v.as_str()), &tokenizer)?;
+    let chat_template = ChatTemplate::for_tokenizer(
+        tok_cfg
+            .as_ref()
+            .and_then(|t| t.get("chat_template"))
+            .and_then(|v| v.as_str()),
+        &tokenizer,
+    )?;
     let st = SafetensorsFolder::open(dir)?;
     let model = arch::build(cfg, &st, device)?;
-    Ok(LoadedModel { path: dir.to_path_buf(), model, tokenizer, chat_template })
+    Ok(LoadedModel {
+        path: dir.to_path_buf(),
+        model,
+        tokenizer,
+        chat_template,
+    })
 }

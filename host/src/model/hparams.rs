@@ -74,7 +74,10 @@ impl ModelConfig {
             ));
         }
         if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} must be positive and even", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be positive and even",
+                self.head_dim
+            ));
         }
         if self.layers.len() != self.n_layers {
             return bad(format!(
@@ -91,7 +94,10 @@ impl ModelConfig {
                 ));
             }
             if !(l.rope.theta > 0.0) {
-                return bad(format!("layer {i}: rope theta {} must be positive", l.rope.theta));
+                return bad(format!(
+                    "layer {i}: rope theta {} must be positive",
+                    l.rope.theta
+                ));
             }
             if let AttentionKind::Sliding { window: 0 } = l.attention {
                 return bad(format!("layer {i}: sliding window of 0"));

@@ -18,13 +18,23 @@ pub struct TinyLlama {
 
 impl Default for TinyLlama {
     fn default() -> Self {
-        TinyLlama { layers: 2, hidden: 64, heads: 4, kv_heads: 2, ffn: 128, context: 64, seed: 1 }
+        TinyLlama {
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 128,
+            context: 64,
+            seed: 1,
+        }
     }
 }
 
 /// GPT-2's reversible byte-to-character map used by byte-level BPE vocabularies.
 pub fn byte_to_char(b: u8) -> char {
-    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let printable = |b: u8| {
+        (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+    };
     if printable(b) {
         return b as char;
     }
@@ -46,7 +56,10 @@ pub fn vocab() -> Vec<String> {
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
@@ -96,10 +109,17 @@ impl TinyLlama {
         let (d, f) = (self.hidden, self.ffn);
         let (q, kv) = (self.heads * hd, self.kv_heads * hd);
         let w = |r: &mut Rng, name: &str, rows: usize, cols: usize| {
-            TensorOut::f32(name, &[rows, cols], &r.fill(rows * cols, 1.0 / (cols as f32).sqrt()))
+            TensorOut::f32(
+                name,
+                &[rows, cols],
+                &r.fill(rows * cols, 1.0 / (cols as f32).sqrt()),
+            )
         };
         let ones = |name: &str, n: usize| TensorOut::f32(name, &[n], &vec![1.0; n]);
-        let mut t = vec![w(&mut r, "token_embd.weight", nv, d), ones("output_norm.weight", d)];
+        let mut t = vec![
+            w(&mut r, "token_embd.weight", nv, d),
+            ones("output_norm.weight", d),
+        ];
         for l in 0..self.layers {
             let p = |x: &str| format!("blk.{l}.{x}.weight");
             t.push(ones(&p("attn_norm"), d));

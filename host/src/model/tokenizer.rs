@@ -50,11 +50,22 @@ fn tok_err(e: impl std::fmt::Display) -> Error {
 impl Tokenizer {
     /// Loads `tokenizer.json` (HF format). Special ids are given by the caller (from the
     /// model's config files).
-    pub fn from_file(path: &Path, bos: Option<TokenId>, eos: Vec<TokenId>, add_bos: bool) -> Result<Tokenizer> {
+    pub fn from_file(
+        path: &Path,
+        bos: Option<TokenId>,
+        eos: Vec<TokenId>,
+        add_bos: bool,
+    ) -> Result<Tokenizer> {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Tokenizer { inner, bos, eos, add_bos, vocab_size })
+        Ok(Tokenizer {
+            inner,
+            bos,
+            eos,
+            add_bos,
+            vocab_size,
+        })
     }
 
     /// Rebuilds the tokenizer stored in a GGUF file's metadata.
@@ -85,12 +96,17 @@ impl Tokenizer {
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(tok_err)?;
-        let pre = g.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre = g
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
         let pre_tok = pre_tokenizer_for(pre)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
-        let types = g.get("tokenizer.ggml.token_type").and_then(|v| v.as_array());
+        let types = g
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array());
         if let Some(types) = types {
             let special: Vec<AddedToken> = types
                 .iter()
@@ -174,9 +190,13 @@ impl Tokenizer {
 
 fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        Ok(Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(tok_err)?
-            .into())
+        Ok(Split::new(
+            SplitPattern::Regex(re.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tok_err)?
+        .into())
     };
     let byte_level_re = |use_regex| ByteLevel::new(false, true, use_regex).into();
     Ok(match pre {

@@ -123,15 +123,24 @@ pub fn sample_native(
 
 /// Repetition (multiplicative, CTRL-style), presence and frequency penalties, then logit bias.
 pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: &[TokenId]) {
-    if params.repetition_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+    if params.repetition_penalty != 1.0
+        || params.presence_penalty != 0.0
+        || params.frequency_penalty != 0.0
+    {
         let mut counts = std::collections::HashMap::<TokenId, u32>::new();
         for &t in history {
             *counts.entry(t).or_default() += 1;
         }
         for (&t, &n) in &counts {
-            let Some(l) = logits.get_mut(t as usize) else { continue };
+            let Some(l) = logits.get_mut(t as usize) else {
+                continue;
+            };
             if params.repetition_penalty != 1.0 {
-                *l = if *l > 0.0 { *l / params.repetition_penalty } else { *l * params.repetition_penalty };
+                *l = if *l > 0.0 {
+                    *l / params.repetition_penalty
+                } else {
+                    *l * params.repetition_penalty
+                };
             }
             *l -= params.presence_penalty + params.frequency_penalty * n as f32;
         }
@@ -162,18 +171,32 @@ mod tests {
 
     #[test]
     fn seeded_sampling_is_reproducible_and_varies_with_step() {
-        let p = SamplingParams { temperature: 1.0, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
         let logits = vec![0.0f32; 100];
-        let a: Vec<_> = (0..50).map(|s| sample_native(&logits, &p, 7, s, &[])).collect();
-        let b: Vec<_> = (0..50).map(|s| sample_native(&logits, &p, 7, s, &[])).collect();
+        let a: Vec<_> = (0..50)
+            .map(|s| sample_native(&logits, &p, 7, s, &[]))
+            .collect();
+        let b: Vec<_> = (0..50)
+            .map(|s| sample_native(&logits, &p, 7, s, &[]))
+            .collect();
         assert_eq!(a, b);
         let distinct: std::collections::HashSet<_> = a.iter().collect();
-        assert!(distinct.len() > 20, "uniform logits should give varied samples");
+        assert!(
+            distinct.len() > 20,
+            "uniform logits should give varied samples"
+        );
     }
 
     #[test]
     fn top_k_one_is_greedy() {
-        let p = SamplingParams { temperature: 5.0, top_k: 1, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            ..Default::default()
+        };
         for s in 0..20 {
             assert_eq!(sample_native(&[0.0, 2.0, 1.0], &p, 3, s, &[]), 1);
         }
@@ -181,7 +204,10 @@ mod tests {
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
-        let p = SamplingParams { repetition_penalty: 10.0, ..Default::default() };
+        let p = SamplingParams {
+            repetition_penalty: 10.0,
+            ..Default::default()
+        };
         assert_eq!(sample_native(&[1.0, 2.0, 1.5], &p, 0, 0, &[1]), 2);
     }
 }

@@ -119,7 +119,14 @@ mod tests {
     use super::*;
 
     /// Reference: contiguous K/V per sequence, naive loops in f64.
-    fn naive(q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>], p: &AttnParams, pos0: usize, n: usize) -> Vec<f32> {
+    fn naive(
+        q: &[f32],
+        ks: &[Vec<f32>],
+        vs: &[Vec<f32>],
+        p: &AttnParams,
+        pos0: usize,
+        n: usize,
+    ) -> Vec<f32> {
         let hd = p.head_dim;
         let group = p.n_heads / p.n_kv_heads;
         let mut out = vec![0.0; n * p.n_heads * hd];
@@ -130,13 +137,21 @@ mod tests {
                 let g = h / group;
                 let qh = &q[(i * p.n_heads + h) * hd..][..hd];
                 let sc: Vec<f64> = (lo..=pos)
-                    .map(|j| (0..hd).map(|d| qh[d] as f64 * ks[j][g * hd + d] as f64).sum::<f64>() * p.scale as f64)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| qh[d] as f64 * ks[j][g * hd + d] as f64)
+                            .sum::<f64>()
+                            * p.scale as f64
+                    })
                     .collect();
                 let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = sc.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    let v: f64 = (lo..=pos).zip(&e).map(|(j, w)| w / z * vs[j][g * hd + d] as f64).sum();
+                    let v: f64 = (lo..=pos)
+                        .zip(&e)
+                        .map(|(j, w)| w / z * vs[j][g * hd + d] as f64)
+                        .sum();
                     out[(i * p.n_heads + h) * hd + d] = v as f32;
                 }
             }
@@ -145,7 +160,9 @@ mod tests {
     }
 
     fn rnd(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     }
 
@@ -153,14 +170,24 @@ mod tests {
     fn paged_matches_naive_with_scattered_blocks_gqa_and_windows() {
         let pool = ThreadPool::new(2);
         for window in [None, Some(5)] {
-            let p = AttnParams { n_heads: 6, n_kv_heads: 2, head_dim: 8, scale: 0.35, window };
+            let p = AttnParams {
+                n_heads: 6,
+                n_kv_heads: 2,
+                head_dim: 8,
+                scale: 0.35,
+                window,
+            };
             let bs = 4;
             let mut kv = PagedKv::new(1, 16, bs, 2, 8);
             let mut seed = 7u64;
             let total = 23; // prompt of 20 then a chunk of 3
             let table: Vec<u32> = vec![9, 2, 14, 0, 5, 11];
-            let ks: Vec<Vec<f32>> = (0..total).map(|_| (0..16).map(|_| rnd(&mut seed)).collect()).collect();
-            let vs: Vec<Vec<f32>> = (0..total).map(|_| (0..16).map(|_| rnd(&mut seed)).collect()).collect();
+            let ks: Vec<Vec<f32>> = (0..total)
+                .map(|_| (0..16).map(|_| rnd(&mut seed)).collect())
+                .collect();
+            let vs: Vec<Vec<f32>> = (0..total)
+                .map(|_| (0..16).map(|_| rnd(&mut seed)).collect())
+                .collect();
             let q: Vec<f32> = (0..total * 48).map(|_| rnd(&mut seed)).collect();
             for (pos0, n) in [(0usize, 20usize), (20, 3)] {
                 let mut b = Batch::default();

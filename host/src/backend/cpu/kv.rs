@@ -16,19 +16,32 @@ pub struct PagedKv {
 }
 
 impl PagedKv {
-    pub fn new(n_layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize) -> PagedKv {
+    pub fn new(
+        n_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> PagedKv {
         let n = num_blocks * block_size * kv_heads * head_dim;
         PagedKv {
             block_size,
             num_blocks,
             kv_heads,
             head_dim,
-            layers: (0..n_layers).map(|_| (vec![0.0; n], vec![0.0; n])).collect(),
+            layers: (0..n_layers)
+                .map(|_| (vec![0.0; n], vec![0.0; n]))
+                .collect(),
         }
     }
 
     /// Bytes one block takes across all layers (K and V).
-    pub fn bytes_per_block(n_layers: usize, block_size: usize, kv_heads: usize, head_dim: usize) -> usize {
+    pub fn bytes_per_block(
+        n_layers: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> usize {
         n_layers * 2 * block_size * kv_heads * head_dim * std::mem::size_of::<f32>()
     }
 

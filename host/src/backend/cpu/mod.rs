@@ -40,7 +40,10 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(threads: usize) -> CpuBackend {
-        CpuBackend { pool: Arc::new(ThreadPool::new(threads.max(1))), precision: ActPrecision::Int8x2 }
+        CpuBackend {
+            pool: Arc::new(ThreadPool::new(threads.max(1))),
+            precision: ActPrecision::Int8x2,
+        }
     }
 
     /// The same backend with another activation precision (benchmarks compare them).
@@ -119,7 +122,10 @@ impl Backend for CpuBackend {
         } else {
             None
         };
-        Ok(CpuWeight { w: w.clone(), vector })
+        Ok(CpuWeight {
+            w: w.clone(),
+            vector,
+        })
     }
 
     fn zeros(&self, n: usize) -> Result<Vec<f32>> {
@@ -127,11 +133,21 @@ impl Backend for CpuBackend {
     }
 
     fn new_kv(&self, s: KvShape) -> Result<PagedKv> {
-        Ok(PagedKv::new(s.layers, s.num_blocks, s.block_size, s.kv_heads, s.head_dim))
+        Ok(PagedKv::new(
+            s.layers,
+            s.num_blocks,
+            s.block_size,
+            s.kv_heads,
+            s.head_dim,
+        ))
     }
 
     fn prepare_step(&self, batch: &Batch, _block_size: usize) -> Result<CpuStep> {
-        Ok(CpuStep { batch: batch.clone(), positions: batch.positions(), ropes: Vec::new() })
+        Ok(CpuStep {
+            batch: batch.clone(),
+            positions: batch.positions(),
+            ropes: Vec::new(),
+        })
     }
 
     fn embed(&self, table: &CpuWeight, tokens: &[TokenId], out: &mut Vec<f32>) -> Result<()> {
@@ -139,7 +155,10 @@ impl Backend for CpuBackend {
         let (d, row) = (w.cols, w.row_bytes());
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= w.rows {
-                return Err(Error::BadRequest(format!("token id {t} is outside the vocabulary ({})", w.rows)));
+                return Err(Error::BadRequest(format!(
+                    "token id {t} is outside the vocabulary ({})",
+                    w.rows
+                )));
             }
             let bytes = &w.bytes()[t as usize * row..(t as usize + 1) * row];
             quant::dequantize_row(w.dtype, bytes, &mut out[i * d..(i + 1) * d]);
@@ -176,7 +195,10 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Vec<f32>, w: &CpuWeight, eps: f32, out: &mut Vec<f32>) -> Result<()> {
-        let g = w.vector.as_deref().ok_or_else(|| Error::BadConfig("rms_norm gain is not a vector".into()))?;
+        let g = w
+            .vector
+            .as_deref()
+            .ok_or_else(|| Error::BadConfig("rms_norm gain is not a vector".into()))?;
         let n = x.len() / g.len() * g.len();
         ops::rms_norm(&x[..n], g, eps, &mut out[..n]);
         Ok(())
@@ -192,7 +214,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rope(&self, step: &mut CpuStep, spec: RopeSpec, x: &mut Vec<f32>, n_heads: usize, head_dim: usize) -> Result<()> {
+    fn rope(
+        &self,
+        step: &mut CpuStep,
+        spec: RopeSpec,
+        x: &mut Vec<f32>,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
         let i = match step.ropes.iter().position(|t| t.spec == spec) {
             Some(i) => i,
             None => {
@@ -219,11 +248,25 @@ impl Backend for CpuBackend {
         let n = step.batch.n_tokens();
         let (qn, kvn) = (n * p.n_heads * p.head_dim, n * p.n_kv_heads * p.head_dim);
         attention::write_kv(kv, layer, &step.batch, &k[..kvn], &v[..kvn]);
-        attention::paged_attention(&self.pool, p, &step.batch, &q[..qn], kv, layer, &mut out[..qn]);
+        attention::paged_attention(
+            &self.pool,
+            p,
+            &step.batch,
+            &q[..qn],
+            kv,
+            layer,
+            &mut out[..qn],
+        );
         Ok(())
     }
 
-    fn gather_rows(&self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) -> Result<()> {
+    fn gather_rows(
+        &self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         for (j, &r) in rows.iter().enumerate() {
             out[j * width..(j + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
         }
@@ -254,18 +297,30 @@ mod tests {
                 vals.push(q as f32 / 64.0);
             }
         }
-        (Weight { dtype: DType::Q8_0, rows, cols, data: Bytes::Owned(Arc::new(bytes)) }, vals)
+        (
+            Weight {
+                dtype: DType::Q8_0,
+                rows,
+                cols,
+                data: Bytes::Owned(Arc::new(bytes)),
+            },
+            vals,
+        )
     }
 
     #[test]
     fn two_pass_activations_are_far_more_precise_than_one() {
         let (rows, cols, n) = (8, 256, 3);
         let (w, vals) = q8_weight(rows, cols);
-        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 3.0).collect();
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 3.0)
+            .collect();
         let exact: Vec<f64> = (0..n * rows)
             .map(|o| {
                 let (t, r) = (o / rows, o % rows);
-                (0..cols).map(|c| vals[r * cols + c] as f64 * x[t * cols + c] as f64).sum()
+                (0..cols)
+                    .map(|c| vals[r * cols + c] as f64 * x[t * cols + c] as f64)
+                    .sum()
             })
             .collect();
         let err = |p: ActPrecision| {
@@ -273,7 +328,10 @@ mod tests {
             let cw = be.prepare_weight(&w).unwrap();
             let mut y = vec![0.0; n * rows];
             be.matmul(&cw, &x, n, &mut y).unwrap();
-            y.iter().zip(&exact).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max)
+            y.iter()
+                .zip(&exact)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max)
         };
         let (e1, e2) = (err(ActPrecision::Int8), err(ActPrecision::Int8x2));
         assert!(e1 > 1e-3, "one pass should show 8-bit error, got {e1}");
@@ -283,7 +341,15 @@ mod tests {
     #[test]
     fn residual_of_representable_values_is_zero() {
         // integer multiples of d = 0.5 with max |q| = 127: exactly what the kernels see
-        let x: Vec<f32> = (0..32).map(|i| if i == 0 { 63.5 } else { (i as f32 * 4.0 - 64.0) * 0.5 }).collect();
+        let x: Vec<f32> = (0..32)
+            .map(|i| {
+                if i == 0 {
+                    63.5
+                } else {
+                    (i as f32 * 4.0 - 64.0) * 0.5
+                }
+            })
+            .collect();
         let mut r = vec![1.0; 32];
         residual_block(&x, &mut r);
         assert!(r.iter().all(|v| v.abs() < 1e-6), "{r:?}");

@@ -122,7 +122,12 @@ impl RopeTable {
                 sin.push(s as f32);
             }
         }
-        RopeTable { half, cos, sin, spec }
+        RopeTable {
+            half,
+            cos,
+            sin,
+            spec,
+        }
     }
 
     /// Rotates every head of every token in `x` (`[tokens, n_heads, head_dim]`).
@@ -130,7 +135,10 @@ impl RopeTable {
         let half = self.half;
         let n_tok = x.len() / (n_heads * head_dim);
         for t in 0..n_tok {
-            let (c, s) = (&self.cos[t * half..t * half + half], &self.sin[t * half..t * half + half]);
+            let (c, s) = (
+                &self.cos[t * half..t * half + half],
+                &self.sin[t * half..t * half + half],
+            );
             for h in 0..n_heads {
                 let base = (t * n_heads + h) * head_dim;
                 let v = &mut x[base..base + head_dim];
@@ -198,7 +206,12 @@ mod tests {
 
     #[test]
     fn rope_styles_agree_up_to_permutation_and_keep_norm() {
-        let spec = |style| RopeSpec { theta: 10000.0, dims: 8, style, scale: 1.0 };
+        let spec = |style| RopeSpec {
+            theta: 10000.0,
+            dims: 8,
+            style,
+            scale: 1.0,
+        };
         let x: Vec<f32> = (0..8).map(|i| i as f32 + 1.0).collect();
         // interleaved pairs (0,1),(2,3).. equal half-style pairs (0,4),(1,5).. after permuting.
         let perm = [0, 4, 1, 5, 2, 6, 3, 7];
@@ -217,7 +230,12 @@ mod tests {
 
     #[test]
     fn rope_at_position_zero_is_identity() {
-        let spec = RopeSpec { theta: 1e5, dims: 4, style: RopeStyle::Interleaved, scale: 1.0 };
+        let spec = RopeSpec {
+            theta: 1e5,
+            dims: 4,
+            style: RopeStyle::Interleaved,
+            scale: 1.0,
+        };
         let mut x = vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         RopeTable::new(spec, &[0]).apply(&mut x, 1, 6);
         assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);

@@ -84,7 +84,9 @@ impl<B: Backend> Llama<B> {
         let naming = src.naming();
         let n = |l: Option<usize>, k: &str| tensor_name(naming, l, k);
         let (d, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
-        let get = |name: String, shape: &[usize]| -> Result<B::Weight> { backend.prepare_weight(&src.weight(&name, shape)?) };
+        let get = |name: String, shape: &[usize]| -> Result<B::Weight> {
+            backend.prepare_weight(&src.weight(&name, shape)?)
+        };
         let embed = get(n(None, "embed"), &[cfg.vocab, d])?;
         let lm_name = n(None, "lm_head");
         let lm_head = if src.has(&lm_name) {
@@ -111,7 +113,14 @@ impl<B: Backend> Llama<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = get(n(None, "norm"), &[d])?;
-        Ok(Llama { cfg, backend, embed, layers, norm, lm_head })
+        Ok(Llama {
+            cfg,
+            backend,
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
     }
 }
 
@@ -187,7 +196,12 @@ impl<B: Backend> CausalLm for Llama<B> {
         let mut normed = be.zeros(m * d)?;
         be.rms_norm(&sel, &self.norm, c.rms_eps, &mut normed)?;
         let mut logits = be.zeros(m * c.vocab)?;
-        be.matmul(self.lm_head.as_ref().unwrap_or(&self.embed), &normed, m, &mut logits)?;
+        be.matmul(
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            &normed,
+            m,
+            &mut logits,
+        )?;
         be.to_host(&logits)
     }
 }
