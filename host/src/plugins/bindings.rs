@@ -10,3 +10,16 @@ pub mod v0_1 {
         });
     }
 }
+
+/// The `constraint` world of `deepinfer:plugin@0.1.0` (structured output).
+pub mod v0_1_constraint {
+    wasmtime::component::bindgen!({
+        world: "constraint",
+        path: "../plugin-sdk/wit/v0.1.0",
+        // The shared imports are the sampler world's, so one host implementation serves both.
+        with: {
+            "deepinfer:plugin/host": super::v0_1::sampler::deepinfer::plugin::host,
+            "deepinfer:plugin/types": super::v0_1::sampler::deepinfer::plugin::types,
+        },
+    });
+}
