@@ -1,8 +1,9 @@
 //! `deepinfer bench offline`: the engine core's benchmark. Three parts, each printing a table
 //! line and writing one JSON record:
-//! - `throughput`: prompts of mixed length with a fixed number of new tokens each, run as
-//!   one batch through the engine, against a spread subset of the same prompts run one at a
-//!   time (generated tokens per second, and the ratio);
+//! - `throughput`: prompts of mixed length with a fixed number of new tokens each, run
+//!   batched through the engine, against a spread subset of the same prompts run one at a
+//!   time (generated tokens per second, and the ratio); the set runs in a few groups, each
+//!   batched run followed by its one-at-a-time share, so both see the same machine load;
 //! - `ttft`: time to first token of a request whose long prefix is in the prefix cache,
 //!   against the same request cold (a fresh prefix per repeat; medians);
 //! - `exposed`: compute-idle CPU time per decode step at a full batch, async scheduling
@@ -43,6 +44,10 @@ pub struct OfflineArgs {
     /// Prompts of the throughput set also run one at a time (an evenly spread subset).
     #[arg(long, default_value_t = 16)]
     pub sequential: usize,
+    /// The throughput set runs as this many batched runs, each followed by its share of the
+    /// one-at-a-time requests, so both modes are measured under the same machine load.
+    #[arg(long, default_value_t = 4)]
+    pub groups: usize,
     /// Shared prefix length of the TTFT part.
     #[arg(long, default_value_t = 1024)]
     pub prefix_len: usize,
@@ -119,68 +124,8 @@ pub fn run(
     let want = |p: &str| args.parts.iter().any(|x| x == p);
 
     if want("throughput") {
-        let n = args.prompts.max(1);
-        let span = args.max_len.saturating_sub(args.min_len);
-        // Lengths spread evenly, in a scrambled order so any stride sees the whole mix.
-        let reqs: Vec<Request> = (0..n)
-            .map(|i| {
-                let len = args.min_len + (i * 37 % n) * span / n.max(2).saturating_sub(1).max(1);
-                token_request(
-                    format!("t{i}"),
-                    synthetic_prompt(len.max(1), vocab, i as u64 + 1),
-                    args.new_tokens,
-                )
-            })
-            .collect();
-        eprintln!("deepinfer: throughput: {n} prompts batched ...");
-        let batched = engine(
-            &path,
-            threads,
-            args.native_sampler,
-            EngineOptions::default(),
-        )?;
-        let (b_s, b_sum) = run_all(&batched, &reqs)?;
-        drop(batched);
-        let stride = (n / args.sequential.max(1)).max(1);
-        let subset: Vec<Request> = reqs
-            .iter()
-            .step_by(stride)
-            .take(args.sequential.max(1))
-            .cloned()
-            .collect();
-        eprintln!(
-            "deepinfer: throughput: {} of them one at a time ...",
-            subset.len()
-        );
-        let solo = engine(
-            &path,
-            threads,
-            args.native_sampler,
-            EngineOptions {
-                enable_prefix_caching: false,
-                ..Default::default()
-            },
-        )?;
-        let (mut s_s, mut s_tokens) = (0.0, 0u64);
-        for r in &subset {
-            let (t, s) = run_all(&solo, std::slice::from_ref(r))?;
-            s_s += t;
-            s_tokens += s.generated_tokens;
-        }
-        let (b_rate, s_rate) = (b_sum.generated_tokens as f64 / b_s, s_tokens as f64 / s_s);
-        record(
-            serde_json::json!({"mode": "offline", "part": "throughput", "prompts": n, "min_len": args.min_len,
-                "max_len": args.max_len, "new_tokens": args.new_tokens, "threads": threads,
-                "batched_s": b_s, "batched_tok_s": b_rate, "sequential_requests": subset.len(),
-                "sequential_s": s_s, "sequential_tok_s": s_rate, "speedup": b_rate / s_rate, "summary": b_sum}),
-            format!(
-                "throughput: batched {b_rate:.1} tok/s ({} tokens in {b_s:.1} s), one at a time {s_rate:.1} tok/s \
-                 ({} requests) -> {:.2}x",
-                b_sum.generated_tokens,
-                subset.len(),
-                b_rate / s_rate
-            ),
-        )?;
+        let (v, line) = throughput(&path, threads, vocab, args)?;
+        record(v, line)?;
     }
 
     if want("ttft") {
@@ -273,4 +218,148 @@ pub fn run(
         eprintln!("{l}");
     }
     Ok(())
+}
+
+/// Seconds of CPU this process has used (user + system; `/proc/self/stat`, in USER_HZ =
+/// 100 ticks per second). Tokens per CPU second are less sensitive than wall time to other
+/// processes on a shared machine.
+fn process_cpu_s() -> f64 {
+    let read = || -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let fields: Vec<&str> = stat
+            .get(stat.rfind(')')? + 2..)?
+            .split_whitespace()
+            .collect();
+        // Fields 14 and 15 (utime, stime); `fields` starts at field 3.
+        let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        Some(ticks as f64 / 100.0)
+    };
+    read().unwrap_or(0.0)
+}
+
+/// Tokens, wall seconds and CPU seconds of one measured window.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+struct Window {
+    tokens: u64,
+    wall_s: f64,
+    cpu_s: f64,
+}
+
+impl Window {
+    fn measure(f: impl FnOnce() -> anyhow::Result<u64>) -> anyhow::Result<Window> {
+        let (t, c) = (Instant::now(), process_cpu_s());
+        let tokens = f()?;
+        Ok(Window {
+            tokens,
+            wall_s: t.elapsed().as_secs_f64(),
+            cpu_s: process_cpu_s() - c,
+        })
+    }
+
+    fn rate(&self) -> f64 {
+        self.tokens as f64 / self.wall_s.max(1e-12)
+    }
+
+    fn cpu_rate(&self) -> f64 {
+        self.tokens as f64 / self.cpu_s.max(1e-12)
+    }
+
+    fn add(&mut self, o: &Window) {
+        self.tokens += o.tokens;
+        self.wall_s += o.wall_s;
+        self.cpu_s += o.cpu_s;
+    }
+}
+
+/// The throughput part: the prompt set in `groups` batched runs, each followed by its share
+/// of one-at-a-time requests (alternating, so both see the same machine load).
+fn throughput(
+    path: &Path,
+    threads: usize,
+    vocab: usize,
+    args: &OfflineArgs,
+) -> anyhow::Result<(serde_json::Value, String)> {
+    let n = args.prompts.max(1);
+    let span = args.max_len.saturating_sub(args.min_len);
+    // Lengths spread evenly, in a scrambled order so any stride sees the whole mix.
+    let reqs: Vec<Request> = (0..n)
+        .map(|i| {
+            let len = args.min_len + (i * 37 % n) * span / n.saturating_sub(1).max(1);
+            token_request(
+                format!("t{i}"),
+                synthetic_prompt(len.max(1), vocab, i as u64 + 1),
+                args.new_tokens,
+            )
+        })
+        .collect();
+    let groups = args.groups.clamp(1, n);
+    let per_group = n.div_ceil(groups);
+    let solo_per_group = args.sequential.div_ceil(groups).max(1);
+    let batched = engine(path, threads, args.native_sampler, EngineOptions::default())?;
+    let solo_opts = EngineOptions {
+        enable_prefix_caching: false,
+        ..Default::default()
+    };
+    let solo = engine(path, threads, args.native_sampler, solo_opts)?;
+    let (mut b_total, mut s_total) = (Window::default(), Window::default());
+    let (mut ratios, mut cpu_ratios, mut windows) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut preemptions, mut exposed) = (0u64, Vec::new());
+    for (g, group) in reqs.chunks(per_group).enumerate() {
+        eprintln!(
+            "deepinfer: throughput group {}/{groups}: {} prompts batched ...",
+            g + 1,
+            group.len()
+        );
+        let b = Window::measure(|| {
+            let (_, s) = run_all(&batched, group)?;
+            preemptions += s.preemptions;
+            exposed.push(s.exposed_fraction);
+            Ok(s.generated_tokens)
+        })?;
+        let stride = (group.len() / solo_per_group).max(1);
+        let subset: Vec<&Request> = group.iter().step_by(stride).take(solo_per_group).collect();
+        eprintln!(
+            "deepinfer: throughput group {}/{groups}: {} of them one at a time ...",
+            g + 1,
+            subset.len()
+        );
+        let s = Window::measure(|| {
+            let mut tokens = 0;
+            for r in &subset {
+                tokens += run_all(&solo, std::slice::from_ref(*r))?.1.generated_tokens;
+            }
+            Ok(tokens)
+        })?;
+        eprintln!(
+            "deepinfer: group {}: batched {:.1} tok/s, one at a time {:.1} tok/s -> {:.2}x ({:.2}x per CPU second)",
+            g + 1,
+            b.rate(),
+            s.rate(),
+            b.rate() / s.rate(),
+            b.cpu_rate() / s.cpu_rate()
+        );
+        ratios.push(b.rate() / s.rate());
+        cpu_ratios.push(b.cpu_rate() / s.cpu_rate());
+        windows.push(serde_json::json!({"batched": b, "sequential": s}));
+        b_total.add(&b);
+        s_total.add(&s);
+    }
+    let median = |v: &[f64]| Summary::of(v).map_or(0.0, |s| s.median);
+    let v = serde_json::json!({"mode": "offline", "part": "throughput", "prompts": n, "min_len": args.min_len,
+        "max_len": args.max_len, "new_tokens": args.new_tokens, "threads": threads, "groups": groups,
+        "sequential_requests": s_total.tokens / args.new_tokens.max(1) as u64,
+        "batched": b_total, "sequential": s_total, "batched_tok_s": b_total.rate(), "sequential_tok_s": s_total.rate(),
+        "speedup": b_total.rate() / s_total.rate(), "speedup_per_cpu_s": b_total.cpu_rate() / s_total.cpu_rate(),
+        "median_group_speedup": median(&ratios), "median_group_speedup_per_cpu_s": median(&cpu_ratios),
+        "preemptions": preemptions, "exposed_fraction": exposed, "windows": windows});
+    let line = format!(
+        "throughput: batched {:.1} tok/s, one at a time {:.1} tok/s -> {:.2}x (median over {groups} alternating groups \
+         {:.2}x; per CPU second {:.2}x)",
+        b_total.rate(),
+        s_total.rate(),
+        b_total.rate() / s_total.rate(),
+        median(&ratios),
+        b_total.cpu_rate() / s_total.cpu_rate()
+    );
+    Ok((v, line))
 }

@@ -57,6 +57,7 @@ struct Sink<'a> {
     progress: Progress,
     summary: RunSummary,
     done: Vec<bool>,
+    num_done: usize,
 }
 
 impl Sink<'_> {
@@ -64,6 +65,7 @@ impl Sink<'_> {
         if std::mem::replace(&mut self.done[index], true) {
             return;
         }
+        self.num_done += 1;
         let s = &mut self.summary;
         s.failed += usize::from(o.error.is_some());
         s.prompt_tokens += o.prompt_token_ids.len() as u64;
@@ -106,6 +108,7 @@ pub fn run(
             ..Default::default()
         },
         done: vec![false; requests.len()],
+        num_done: 0,
     };
     let tokenizer = &ctx.model.tokenizer;
     let mut live = 0usize;
@@ -252,7 +255,7 @@ struct Channels {
 fn drive(sched: &mut Scheduler, ch: Channels, depth: usize, sink: &mut Sink<'_>) {
     let mut inflight: VecDeque<Arc<SchedulerOutput>> = VecDeque::new();
     let mut stats = StepStats::default();
-    while sink.done.iter().any(|d| !d) {
+    while sink.num_done < sink.done.len() {
         while inflight.len() < depth && sched.has_unfinished() {
             let out = sched.schedule();
             let idle = out.is_empty();
