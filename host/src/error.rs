@@ -99,6 +99,9 @@ pub enum Error {
 
     #[error("scheduler: {0}")]
     Scheduler(String),
+
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

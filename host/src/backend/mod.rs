@@ -7,6 +7,8 @@
 //! slot offsets — uploaded once per step) where they need batch layout.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::error::Result;
 use crate::ids::TokenId;
@@ -87,7 +89,62 @@ pub trait Backend: Send + Sync + 'static {
     fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf) -> Result<()>;
     /// Copies a buffer to host memory.
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
+
+    /// Index of the largest value of each `width`-wide row of `x` (ties: the lowest index).
+    fn argmax_rows(&self, x: &Self::Buf, width: usize) -> Result<Vec<u32>> {
+        Ok(select::argmax_rows(&self.to_host(x)?, width))
+    }
+
+    /// The `k` largest values of each `width`-wide row of `x` with their indices, largest first
+    /// (ties: the lower index first).
+    fn top_k_rows(&self, x: &Self::Buf, width: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        Ok(select::top_k_rows(&self.to_host(x)?, width, k))
+    }
 }
+
+/// Host versions of the candidate selections (the trait's default methods).
+pub mod select {
+    /// See [`super::Backend::argmax_rows`].
+    pub fn argmax_rows(x: &[f32], width: usize) -> Vec<u32> {
+        if width == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(width)
+            .map(|r| {
+                let mut best = 0;
+                for (i, &v) in r.iter().enumerate() {
+                    if v > r[best] {
+                        best = i;
+                    }
+                }
+                best as u32
+            })
+            .collect()
+    }
+
+    /// See [`super::Backend::top_k_rows`].
+    pub fn top_k_rows(x: &[f32], width: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
+        if width == 0 {
+            return Vec::new();
+        }
+        x.chunks_exact(width)
+            .map(|r| {
+                let mut idx: Vec<u32> = (0..r.len() as u32).collect();
+                idx.sort_by(|&a, &b| {
+                    let (va, vb) = (r[a as usize], r[b as usize]);
+                    vb.partial_cmp(&va)
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                        .then(a.cmp(&b))
+                });
+                idx.into_iter()
+                    .take(k)
+                    .map(|i| (i, r[i as usize]))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
 
 /// Where a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +153,24 @@ pub enum Device {
     Cpu { threads: usize },
     /// A CUDA device by ordinal (needs the `cuda` feature).
     Cuda { ordinal: usize },
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `cpu` (every core), `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> std::result::Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::cpu_all()),
+            "cuda" | "gpu" => Ok(Device::Cuda { ordinal: 0 }),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(ordinal)) => Ok(Device::Cuda { ordinal }),
+                _ => Err(format!(
+                    "unknown device `{s}` (expected cpu, cuda or cuda:N)"
+                )),
+            },
+        }
+    }
 }
 
 impl Device {

@@ -9,7 +9,6 @@ use anyhow::{bail, Context};
 
 use crate::backend::Device;
 use crate::bench::{decode_steps, prefill_once, BenchRecord, Summary};
-use crate::model::fetch::resolve_model;
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -21,6 +20,13 @@ pub struct BenchArgs {
     /// Compute threads.
     #[arg(long, global = true, default_value_t = 2)]
     pub threads: usize,
+    /// Where to run: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, global = true, default_value = "cpu")]
+    pub device: Device,
+    /// Run a random-weight model of this shape (llama3-8b, llama3-1b, smollm2-135m, tiny)
+    /// instead of a checkpoint.
+    #[arg(long, global = true, value_name = "SHAPE")]
+    pub random_weights: Option<String>,
     /// Measured repeats per point.
     #[arg(long, global = true, default_value_t = 5)]
     pub repeats: usize,
@@ -119,8 +125,18 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         };
         return super::bench_offline::run(a.model.as_deref(), a.threads, a.repeats, o, &mut sink);
     }
-    let path = resolve_model(a.model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
-    let loaded = crate::model::load(&path, Device::Cpu { threads: a.threads.max(1) }).with_context(|| format!("loading {}", path.display()))?;
+    let device = match a.device {
+        Device::Cpu { .. } => Device::Cpu { threads: a.threads.max(1) },
+        d => d,
+    };
+    let loaded = crate::model::random::load_cli_model(
+        a.model.as_deref(),
+        a.random_weights.as_deref(),
+        device,
+        &mut |m| eprintln!("deepinfer: {m}"),
+    )
+    .context("loading the model")?;
+    let path = loaded.path.clone();
     let model = loaded.model.as_ref();
     let points: Vec<Point> = match &a.mode {
         BenchMode::Prefill { lengths } => lengths

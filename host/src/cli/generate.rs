@@ -104,6 +104,13 @@ pub struct GenerateArgs {
     /// Compute threads (default: the config's, else all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where to run: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// Run a random-weight model of this shape (llama3-8b, llama3-1b, smollm2-135m, tiny)
+    /// instead of a checkpoint; its text is meaningless, its speed is the real shape's.
+    #[arg(long, value_name = "SHAPE")]
+    pub random_weights: Option<String>,
 }
 
 /// The config file (or the embedded default) with the flags given explicitly applied.
@@ -224,15 +231,17 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     } else {
         crate::plugins::build_sampler(&config).context("loading the sampler plugin")?
     };
-    let device = match config.model.threads {
-        Some(t) => Device::Cpu { threads: t.max(1) },
-        None => Device::cpu_all(),
+    let device = match (a.device, config.model.threads) {
+        (Device::Cpu { .. }, Some(t)) => Device::Cpu { threads: t.max(1) },
+        (d, _) => d,
     };
-    let path = crate::model::fetch::resolve_model(config.model.path.as_deref(), &mut |m| {
-        eprintln!("deepinfer: {m}")
-    })?;
-    let loaded =
-        crate::model::load(&path, device).with_context(|| format!("loading {}", path.display()))?;
+    let loaded = crate::model::random::load_cli_model(
+        config.model.path.as_deref(),
+        a.random_weights.as_deref(),
+        device,
+        &mut |m| eprintln!("deepinfer: {m}"),
+    )
+    .context("loading the model")?;
     let llm = Llm::new(loaded, sampler, engine_options(&a)).context("starting the engine")?;
 
     let jsonl_stdout = a.output == "jsonl";

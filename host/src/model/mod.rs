@@ -11,6 +11,7 @@ pub mod gguf_writer;
 pub mod tiny;
 pub mod hf;
 pub mod hparams;
+pub mod random;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};

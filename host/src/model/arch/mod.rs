@@ -15,6 +15,12 @@ pub const SUPPORTED: &[&str] = &["llama", "mistral"];
 pub fn build(cfg: ModelConfig, src: &dyn WeightSource, device: Device) -> Result<Box<dyn CausalLm>> {
     match device {
         Device::Cpu { threads } => build_on(cfg, src, CpuBackend::new(threads)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            use crate::backend::cuda::{CudaBackend, CudaOptions};
+            build_on(cfg, src, CudaBackend::new(ordinal, CudaOptions::from_env()?)?)
+        }
+        #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(Error::BadConfig(
             "this build has no CUDA backend (build with `--features cuda`)".into(),
         )),

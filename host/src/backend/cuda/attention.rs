@@ -1,0 +1,208 @@
+//! Attention launcher: writes the step's K/V into their paged slots, then runs either the
+//! split-KV decode kernel (every query token on its own, keys split across blocks so a small
+//! batch still fills the GPU) or, when some sequence runs more than a few tokens and the head
+//! size has a tensor-core kernel, the flash-attention prefill kernel.
+
+use std::sync::Arc;
+
+use super::ops::check;
+use super::queue::Op;
+use super::step::CudaStep;
+use super::weights::CudaKv;
+use super::{CudaBuf, Inner};
+use crate::backend::AttnParams;
+use crate::error::{Error, Result};
+
+/// Sequences running more tokens than this use the prefill kernel.
+const DECODE_MAX_LEN: usize = 8;
+/// Blocks the decode kernel aims to launch (two waves of 132 SMs).
+const TARGET_BLOCKS: usize = 264;
+/// Query heads per decode block (`DEC_MAXG`).
+const DEC_MAXG: usize = 8;
+
+fn decode_index(head_dim: usize) -> Option<usize> {
+    [16, 32, 64, 128, 256].iter().position(|&d| d == head_dim)
+}
+
+fn prefill_index(head_dim: usize) -> Option<usize> {
+    [64, 128].iter().position(|&d| d == head_dim)
+}
+
+/// Key splits per (token, head group): enough blocks to fill the GPU, at least 32 keys each.
+/// Depends on the context only through its power-of-two bucket, so decode steps keep their shape.
+pub fn splits_for(blocks_per_split: usize, max_ctx: usize) -> usize {
+    let by_gpu = TARGET_BLOCKS.div_ceil(blocks_per_split.max(1));
+    let by_ctx = max_ctx.next_power_of_two().div_ceil(32);
+    by_gpu.min(by_ctx).clamp(1, 64)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    inner: &Arc<Inner>,
+    step: &CudaStep,
+    kv: &mut CudaKv,
+    layer: usize,
+    p: &AttnParams,
+    q: &CudaBuf,
+    k: &CudaBuf,
+    v: &CudaBuf,
+    out: &mut CudaBuf,
+) -> Result<()> {
+    let n = step.n_tokens;
+    if n == 0 {
+        return Ok(());
+    }
+    let s = kv.shape;
+    if p.n_kv_heads != s.kv_heads || p.head_dim != s.head_dim || step.block_size != s.block_size {
+        return Err(Error::BadRequest(format!(
+            "attention: {} KV heads of {} with blocks of {}, but the cache holds {} of {} with blocks of {}",
+            p.n_kv_heads, p.head_dim, step.block_size, s.kv_heads, s.head_dim, s.block_size
+        )));
+    }
+    if p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+        return Err(Error::BadConfig(format!(
+            "{} heads over {} KV heads",
+            p.n_heads, p.n_kv_heads
+        )));
+    }
+    if step.max_block as usize >= s.num_blocks {
+        return Err(Error::BadRequest(format!(
+            "block id {} is outside the cache ({} blocks)",
+            step.max_block, s.num_blocks
+        )));
+    }
+    let dec = decode_index(p.head_dim).ok_or_else(|| {
+        Error::BadConfig(format!(
+            "the CUDA attention kernels take head_dim 16, 32, 64, 128 or 256, not {}",
+            p.head_dim
+        ))
+    })?;
+    let (qw, kvw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+    check("attention q", q.len(), n * qw)?;
+    check("attention k", k.len(), n * kvw)?;
+    check("attention v", v.len(), n * kvw)?;
+    check("attention output", out.len(), n * qw)?;
+    let (kc, vc) = kv
+        .layer(layer)
+        .ok_or_else(|| Error::BadRequest(format!("layer {layer} is outside the KV cache")))?;
+    let kern = inner.module.act(inner.act());
+    inner.push(Op::Launch {
+        kernel: kern.write_kv,
+        grid: [n as u32, 1, 1],
+        block: kvw.next_power_of_two().clamp(32, 256) as u32,
+        smem: 0,
+        args: vec![kc, vc, k.ptr(), v.ptr(), step.slots(), kvw as u64],
+    });
+    let scale_log2 = (p.scale * std::f32::consts::LOG2_E).to_bits() as u64;
+    let window = p.window.unwrap_or(0) as u64;
+    if let (true, Some(pi)) = (step.max_len > DECODE_MAX_LEN, prefill_index(p.head_dim)) {
+        let (kernel, smem) = if inner.opts.prefill_pipelined {
+            (
+                kern.attn_prefill2[pi],
+                super::module::prefill2_smem(p.head_dim) as u32,
+            )
+        } else {
+            (kern.attn_prefill[pi], 0)
+        };
+        inner.push(Op::Launch {
+            kernel,
+            grid: [step.n_tiles as u32, p.n_heads as u32, 1],
+            block: 128,
+            smem,
+            args: vec![
+                out.ptr(),
+                q.ptr(),
+                kc,
+                vc,
+                step.tiles(),
+                step.n_tiles as u64,
+                step.seq_start(),
+                step.seq_len(),
+                step.seq_pos(),
+                step.tables(),
+                step.width as u64,
+                p.n_heads as u64,
+                p.n_kv_heads as u64,
+                step.block_size as u64,
+                scale_log2,
+                window,
+            ],
+        });
+        return Ok(());
+    }
+    let group = p.n_heads / p.n_kv_heads;
+    let hgroups = group.div_ceil(DEC_MAXG);
+    let blocks = n * p.n_kv_heads * hgroups;
+    let ctx = match p.window {
+        Some(w) => step.max_ctx.min(w),
+        None => step.max_ctx,
+    };
+    let splits = splits_for(blocks, ctx);
+    let (part_o, part_ml) = if splits > 1 {
+        (
+            Some(inner.scratch(n * p.n_heads * splits * p.head_dim, 4)?),
+            Some(inner.scratch(n * p.n_heads * splits * 2, 4)?),
+        )
+    } else {
+        (None, None)
+    };
+    let ptr = |b: &Option<CudaBuf>| b.as_ref().map_or(0, |b| b.ptr());
+    inner.push(Op::Launch {
+        kernel: kern.attn_decode[dec],
+        grid: [n as u32, (p.n_kv_heads * hgroups) as u32, splits as u32],
+        block: 128,
+        smem: 0,
+        args: vec![
+            ptr(&part_o),
+            ptr(&part_ml),
+            out.ptr(),
+            q.ptr(),
+            kc,
+            vc,
+            step.tok_seq(),
+            step.positions(),
+            step.tables(),
+            step.width as u64,
+            p.n_heads as u64,
+            p.n_kv_heads as u64,
+            step.block_size as u64,
+            scale_log2,
+            window,
+            splits as u64,
+        ],
+    });
+    if splits > 1 {
+        inner.push(Op::Launch {
+            kernel: kern.attn_combine,
+            grid: [(n * p.n_heads) as u32, 1, 1],
+            block: p.head_dim.clamp(32, 256) as u32,
+            smem: 0,
+            args: vec![
+                out.ptr(),
+                ptr(&part_o),
+                ptr(&part_ml),
+                splits as u64,
+                p.head_dim as u64,
+            ],
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::splits_for;
+
+    #[test]
+    fn splits_fill_the_gpu_but_keep_32_keys_each() {
+        assert_eq!(splits_for(8, 256), 8); // one token, 8 KV heads: 33 by GPU, 8 by context
+        assert_eq!(splits_for(8, 4096), 33);
+        assert_eq!(splits_for(1024, 4096), 1); // a big batch fills the GPU alone
+        assert_eq!(splits_for(3, 1), 1);
+        assert_eq!(
+            splits_for(8, 200),
+            splits_for(8, 256),
+            "one bucket per power of two"
+        );
+    }
+}

@@ -1,0 +1,429 @@
+//! The CUDA backend (feature `cuda`): NVRTC-compiled kernels from `kernels/`, cuBLAS for
+//! wide matrix products, paged bf16 KV caches, and a deferred queue that fuses neighbouring
+//! operations and replays repeated forward passes as CUDA graphs.
+//!
+//! Activations live on the device as f32 or bf16 ([`Act`]): bf16 when every matrix weight is
+//! bf16/f16 (so cuBLAS reads them directly), f32 otherwise; `to_host` always returns f32. The
+//! driver, NVRTC and cuBLAS are loaded at run time, so building this needs no CUDA toolkit.
+//! This module owns device resources and launches; models never see them.
+
+mod attention;
+mod blas;
+mod device;
+mod matmul;
+pub mod module;
+mod ops;
+mod queue;
+mod readback;
+mod sample;
+mod step;
+mod weights;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::{AttnParams, Backend, KvShape};
+use crate::error::{Error, Result};
+use crate::ids::TokenId;
+use crate::model::batch::Batch;
+use crate::model::hparams::RopeSpec;
+use crate::tensor::Weight;
+use blas::Blas;
+use device::{cuda_err, DevMem, Pool};
+use module::Module;
+use queue::{Op, Queue};
+
+pub use queue::QueueStats;
+pub use step::CudaStep;
+pub use weights::{CudaKv, CudaWeight};
+
+/// Element type of activations on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Act {
+    F32,
+    Bf16,
+}
+
+impl Act {
+    pub fn size(self) -> usize {
+        match self {
+            Act::F32 => 4,
+            Act::Bf16 => 2,
+        }
+    }
+}
+
+/// Backend settings, resolved once at construction.
+#[derive(Debug, Clone)]
+pub struct CudaOptions {
+    /// Activation type; `None` picks bf16 when every matrix weight is bf16/f16, else f32.
+    pub act: Option<Act>,
+    /// Replay repeated forward passes as CUDA graphs.
+    pub graphs: bool,
+    /// Fuse neighbouring operations in the queue.
+    pub fuse: bool,
+    /// Use the double-buffered (cp.async) prefill attention kernel.
+    pub prefill_pipelined: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            act: None,
+            graphs: true,
+            fuse: true,
+            prefill_pipelined: true,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`
+    /// and `DEEPINFER_CUDA_FUSE` (`0` turns them off), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `2`: double-buffered prefill attention).
+    pub fn from_env() -> Result<CudaOptions> {
+        let mut o = CudaOptions::default();
+        match std::env::var("DEEPINFER_CUDA_ACT").ok().as_deref() {
+            None | Some("") | Some("auto") => {}
+            Some("f32") => o.act = Some(Act::F32),
+            Some("bf16") => o.act = Some(Act::Bf16),
+            Some(other) => {
+                return Err(Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_ACT={other}: expected f32, bf16 or auto"
+                )))
+            }
+        }
+        let off = |k: &str| std::env::var(k).map(|v| v == "0").unwrap_or(false);
+        o.graphs = !off("DEEPINFER_CUDA_GRAPHS");
+        o.fuse = !off("DEEPINFER_CUDA_FUSE");
+        match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
+            Some("2") => o.prefill_pipelined = true,
+            Some("1") => o.prefill_pipelined = false,
+            _ => {}
+        }
+        Ok(o)
+    }
+}
+
+/// Why no CUDA device can be used here, or `None` when one can.
+pub fn unavailable_reason() -> Option<String> {
+    // SAFETY: these only try to dlopen the libraries.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Some("no CUDA driver library (libcuda) found".into());
+    }
+    if !nvrtc {
+        return Some("no NVRTC library (libnvrtc) found".into());
+    }
+    if !cublas {
+        return Some("no cuBLAS library (libcublas) found".into());
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => None,
+        Ok(_) => Some("the CUDA driver reports no device".into()),
+        Err(e) => Some(format!("the CUDA driver failed to start: {e:?}")),
+    }
+}
+
+/// Shared state of one backend and everything made from it.
+pub(crate) struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    module: Module,
+    blas: Blas,
+    pool: Mutex<Pool>,
+    queue: Mutex<Queue>,
+    opts: CudaOptions,
+    act: OnceLock<Act>,
+    /// Every matrix weight prepared so far is bf16 or f16.
+    all_half: AtomicBool,
+    /// The latest step's token ids and logits rows, and where they are on the device.
+    step_cache: Mutex<Option<step::StepCache>>,
+    /// Staging buffer of large reads.
+    pinned: Mutex<Option<readback::Pinned>>,
+    name: String,
+}
+
+impl Inner {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn pool(&self) -> MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn act(&self) -> Act {
+        *self.act.get_or_init(|| {
+            self.opts
+                .act
+                .unwrap_or(if self.all_half.load(Ordering::Relaxed) {
+                    Act::Bf16
+                } else {
+                    Act::F32
+                })
+        })
+    }
+
+    fn push(&self, op: Op) {
+        self.queue().push(op);
+    }
+
+    /// Runs all queued work (without waiting for it).
+    fn flush(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        self.queue().flush(&self.module, &self.blas, &self.stream)
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("synchronizing the stream", e))
+    }
+
+    /// A pooled buffer of `len` elements of `elem` bytes (contents undefined).
+    fn scratch(self: &Arc<Self>, len: usize, elem: usize) -> Result<CudaBuf> {
+        let mem = self.pool().take(&self.ctx, (len * elem).max(1))?;
+        Ok(CudaBuf {
+            mem: Some(mem),
+            len,
+            inner: self.clone(),
+        })
+    }
+
+    /// Frees `mem` once queued work that may use it has run.
+    fn retire(&self, mem: DevMem) {
+        let _ = self.flush();
+        let _ = self.sync();
+        self.queue().drop_graphs();
+        drop(mem);
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let q = self.queue.get_mut().unwrap_or_else(|p| p.into_inner());
+        let _ = q.flush(&self.module, &self.blas, &self.stream);
+        let _ = self.stream.synchronize();
+        q.drop_graphs();
+        self.pool
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .release_all();
+    }
+}
+
+/// A device buffer of activations (or scratch), returned to the pool when dropped.
+pub struct CudaBuf {
+    mem: Option<DevMem>,
+    len: usize,
+    inner: Arc<Inner>,
+}
+
+impl CudaBuf {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, |m| m.ptr)
+    }
+}
+
+impl Drop for CudaBuf {
+    fn drop(&mut self) {
+        if let Some(m) = self.mem.take() {
+            self.inner.pool().give(m);
+        }
+    }
+}
+
+/// The CUDA backend: one device, one stream. Cheap to clone (shared state).
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, compiles (or loads cached) kernels and creates the cuBLAS handle.
+    pub fn new(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
+        if let Some(why) = unavailable_reason() {
+            return Err(Error::Cuda(why));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| cuda_err(&format!("opening CUDA device {ordinal}"), e))?;
+        // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations
+        // ordered on its one stream, so cudarc's per-slice event tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream", e))?;
+        let module = Module::load(&ctx)?;
+        let blas = Blas::new(&ctx, &stream)?;
+        let name = format!(
+            "cuda:{ordinal} ({})",
+            ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+        );
+        let inner = Inner {
+            queue: Mutex::new(Queue::new(opts.graphs)),
+            ctx,
+            stream,
+            module,
+            blas,
+            pool: Mutex::new(Pool::default()),
+            act: OnceLock::new(),
+            all_half: AtomicBool::new(true),
+            step_cache: Mutex::new(None),
+            pinned: Mutex::new(None),
+            opts,
+            name,
+        };
+        Ok(CudaBackend {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The activation type (fixed by the first buffer made).
+    pub fn act(&self) -> Act {
+        self.inner.act()
+    }
+
+    /// Uploads f32 values as an activation buffer (tests, tools).
+    pub fn from_host(&self, values: &[f32]) -> Result<CudaBuf> {
+        ops::from_host(&self.inner, values)
+    }
+
+    /// Queue counters so far.
+    pub fn stats(&self) -> QueueStats {
+        self.inner.queue().stats
+    }
+
+    /// Measure the device time of flushed work (synchronizes every flush).
+    pub fn set_timing(&self, on: bool) {
+        self.inner.queue().timing = on;
+    }
+
+    /// Runs queued work and waits for it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.flush()?;
+        self.inner.sync()
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+    type Step = CudaStep;
+
+    fn device_name(&self) -> String {
+        self.inner.name.clone()
+    }
+
+    fn prepare_weight(&self, w: &Weight) -> Result<CudaWeight> {
+        weights::prepare(&self.inner, w)
+    }
+
+    fn zeros(&self, n: usize) -> Result<CudaBuf> {
+        let act = self.inner.act();
+        let b = self.inner.scratch(n, act.size())?;
+        if n > 0 {
+            self.inner.push(Op::Memset {
+                ptr: b.ptr(),
+                bytes: n * act.size(),
+            });
+        }
+        Ok(b)
+    }
+
+    fn new_kv(&self, shape: KvShape) -> Result<CudaKv> {
+        weights::new_kv(&self.inner, shape)
+    }
+
+    fn prepare_step(&self, batch: &Batch, block_size: usize) -> Result<CudaStep> {
+        step::prepare(&self.inner, batch, block_size)
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[TokenId], out: &mut CudaBuf) -> Result<()> {
+        ops::embed(&self.inner, table, tokens, out)
+    }
+
+    fn matmul(&self, w: &CudaWeight, x: &CudaBuf, n_tokens: usize, y: &mut CudaBuf) -> Result<()> {
+        matmul::matmul(&self.inner, w, x, n_tokens, y)
+    }
+
+    fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32, out: &mut CudaBuf) -> Result<()> {
+        ops::rms_norm(&self.inner, x, w, eps, out)
+    }
+
+    fn add_assign(&self, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
+        ops::add_assign(&self.inner, x, y)
+    }
+
+    fn silu_mul(&self, gate: &mut CudaBuf, up: &CudaBuf) -> Result<()> {
+        ops::silu_mul(&self.inner, gate, up)
+    }
+
+    fn rope(
+        &self,
+        step: &mut CudaStep,
+        spec: RopeSpec,
+        x: &mut CudaBuf,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        ops::rope(&self.inner, step, spec, x, n_heads, head_dim)
+    }
+
+    fn attention(
+        &self,
+        step: &CudaStep,
+        kv: &mut CudaKv,
+        layer: usize,
+        p: &AttnParams,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        attention::attention(&self.inner, step, kv, layer, p, q, k, v, out)
+    }
+
+    fn gather_rows(
+        &self,
+        x: &CudaBuf,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        ops::gather_rows(&self.inner, x, width, rows, out)
+    }
+
+    fn to_host(&self, x: &CudaBuf) -> Result<Vec<f32>> {
+        ops::to_host(&self.inner, x)
+    }
+
+    fn argmax_rows(&self, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {
+        sample::argmax_rows(&self.inner, x, width)
+    }
+
+    fn top_k_rows(&self, x: &CudaBuf, width: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        sample::top_k_rows(&self.inner, x, width, k)
+    }
+}

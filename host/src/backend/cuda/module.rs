@@ -1,0 +1,300 @@
+//! The kernels: the CUDA C sources in `kernels/` compiled once by NVRTC for the device's
+//! architecture (PTX cached per architecture and source hash in the cache folder), loaded as
+//! one module, and resolved into typed kernel ids. It compiles and names kernels; launching
+//! them is the queue's job.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use sha2::{Digest, Sha256};
+
+use super::device::cuda_err;
+use super::Act;
+use crate::error::{Error, Result};
+
+/// Kernel sources in compilation order (`common.cuh` first: the others use its helpers).
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
+    (
+        "elementwise.cu",
+        include_str!("../../../../kernels/elementwise.cu"),
+    ),
+    ("gemv.cu", include_str!("../../../../kernels/gemv.cu")),
+    (
+        "attention_decode.cu",
+        include_str!("../../../../kernels/attention_decode.cu"),
+    ),
+    (
+        "attention_prefill.cu",
+        include_str!("../../../../kernels/attention_prefill.cu"),
+    ),
+    ("sample.cu", include_str!("../../../../kernels/sample.cu")),
+];
+
+/// NVRTC options besides the architecture.
+const OPTIONS: &[&str] = &["-std=c++17", "--extra-device-vectorization"];
+
+/// The whole translation unit.
+pub fn source() -> String {
+    let mut s = String::new();
+    for (name, text) in SOURCES {
+        s.push_str(&format!("// ---- {name} ----\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+/// The virtual architecture to compile for, from a compute capability.
+pub fn arch_for(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 7) => "compute_87",
+        (8, 9) => "compute_89",
+        (9, _) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        // Anything newer runs compute_90 PTX through the driver's JIT.
+        _ => "compute_90",
+    }
+}
+
+/// Compiles the kernels for `arch` with NVRTC (no cache).
+pub fn compile(arch: &'static str) -> Result<String> {
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options: OPTIONS.iter().map(|s| s.to_string()).collect(),
+        name: Some("deepinfer_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(source(), opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => Error::Cuda(format!(
+            "NVRTC failed to compile kernels/*.cu:\n{}",
+            log.to_string_lossy()
+        )),
+        other => Error::Cuda(format!("NVRTC: {other:?}")),
+    })?;
+    Ok(ptx.to_src())
+}
+
+fn cache_path(arch: &str) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(arch.as_bytes());
+    for o in OPTIONS {
+        h.update(o.as_bytes());
+    }
+    h.update(source().as_bytes());
+    let hex: String = h
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    crate::model::fetch::cache_dir()
+        .join("ptx")
+        .join(format!("{arch}-{hex}.ptx"))
+}
+
+/// PTX for `arch`: from the cache folder, else compiled and cached (a failed cache write only
+/// costs the next start a compile).
+pub fn ptx_for(arch: &'static str) -> Result<String> {
+    let path = cache_path(arch);
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        if text.contains(".entry") {
+            return Ok(text);
+        }
+    }
+    let ptx = compile(arch)?;
+    if let Some(dir) = path.parent() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(ptx)
+}
+
+/// Dynamic shared memory of the double-buffered prefill kernel for head dim `d`: the 64-row
+/// Q tile and two stages of 64-row K and V tiles, in bf16.
+pub fn prefill2_smem(d: usize) -> usize {
+    (64 + 2 * 2 * 64) * d * 2
+}
+
+/// A kernel, by index into [`Module::funcs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KernelId(pub u16);
+
+/// The kernels instantiated for one activation type.
+#[derive(Debug, Clone)]
+pub struct ActKernels {
+    pub embed: KernelId,
+    pub rms_norm: KernelId,
+    pub add: KernelId,
+    pub silu_mul: KernelId,
+    pub rope: KernelId,
+    pub gather_rows: KernelId,
+    pub write_kv: KernelId,
+    /// By head dim 16, 32, 64, 128, 256.
+    pub attn_decode: [KernelId; 5],
+    pub attn_combine: KernelId,
+    /// By head dim 64, 128.
+    pub attn_prefill: [KernelId; 2],
+    /// The double-buffered variant, by head dim 64, 128 (dynamic shared memory:
+    /// [`prefill2_smem`]).
+    pub attn_prefill2: [KernelId; 2],
+    /// By weight type (see `WType`).
+    pub gemv: [KernelId; 6],
+    pub argmax: KernelId,
+    pub topk: KernelId,
+}
+
+/// The loaded module and its kernel ids.
+pub struct Module {
+    funcs: Vec<CudaFunction>,
+    pub f32: ActKernels,
+    pub bf16: ActKernels,
+    pub rope_table: KernelId,
+    pub weight_to_bf16: KernelId,
+    pub weight_to_f32: KernelId,
+}
+
+impl Module {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Module> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("reading the compute capability", e))?;
+        let ptx = ptx_for(arch_for(major, minor))?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|e| cuda_err("loading the kernel module", e))?;
+        let mut funcs = Vec::new();
+        let mut index = HashMap::new();
+        let mut get = |name: String| -> Result<KernelId> {
+            if let Some(&id) = index.get(&name) {
+                return Ok(id);
+            }
+            let f = module
+                .load_function(&name)
+                .map_err(|e| cuda_err(&format!("kernel `{name}`"), e))?;
+            let id = KernelId(funcs.len() as u16);
+            funcs.push(f);
+            index.insert(name, id);
+            Ok(id)
+        };
+        let mut act = |s: &str| -> Result<ActKernels> {
+            let mut n = |base: &str| get(format!("{base}_{s}"));
+            Ok(ActKernels {
+                embed: n("embed")?,
+                rms_norm: n("rms_norm")?,
+                add: n("add")?,
+                silu_mul: n("silu_mul")?,
+                rope: n("rope")?,
+                gather_rows: n("gather_rows")?,
+                write_kv: n("write_kv")?,
+                attn_decode: [
+                    n("attn_decode_d16")?,
+                    n("attn_decode_d32")?,
+                    n("attn_decode_d64")?,
+                    n("attn_decode_d128")?,
+                    n("attn_decode_d256")?,
+                ],
+                attn_combine: n("attn_combine")?,
+                attn_prefill: [n("attn_prefill_d64")?, n("attn_prefill_d128")?],
+                attn_prefill2: [n("attn_prefill2_d64")?, n("attn_prefill2_d128")?],
+                gemv: [
+                    n("gemv_f32w")?,
+                    n("gemv_f16w")?,
+                    n("gemv_bf16w")?,
+                    n("gemv_q4_0w")?,
+                    n("gemv_q4_1w")?,
+                    n("gemv_q8_0w")?,
+                ],
+                argmax: n("argmax")?,
+                topk: n("topk")?,
+            })
+        };
+        let f32 = act("f32")?;
+        let bf16 = act("bf16")?;
+        let rope_table = get("rope_table".into())?;
+        let weight_to_bf16 = get("weight_to_bf16".into())?;
+        let weight_to_f32 = get("weight_to_f32".into())?;
+        for (k, d) in f32
+            .attn_prefill2
+            .iter()
+            .chain(&bf16.attn_prefill2)
+            .zip([64, 128, 64, 128])
+        {
+            let f = funcs[k.0 as usize].cu_function();
+            // SAFETY: `f` is a kernel of the loaded module; the value is within the device's
+            // opt-in limit (227 KB on Hopper, 163 KB on A100).
+            unsafe {
+                cudarc::driver::result::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    prefill2_smem(d) as i32,
+                )
+            }
+            .map_err(|e| cuda_err("raising the prefill kernel's shared memory limit", e))?;
+        }
+        Ok(Module {
+            funcs,
+            f32,
+            bf16,
+            rope_table,
+            weight_to_bf16,
+            weight_to_f32,
+        })
+    }
+
+    pub fn act(&self, a: Act) -> &ActKernels {
+        match a {
+            Act::F32 => &self.f32,
+            Act::Bf16 => &self.bf16,
+        }
+    }
+
+    pub fn function(&self, k: KernelId) -> sys::CUfunction {
+        self.funcs[k.0 as usize].cu_function()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles every kernel with NVRTC when the library is present (no GPU needed), so a
+    /// syntax or type error in `kernels/*.cu` shows up without a device.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!(
+                "skipped: no NVRTC library (set LD_LIBRARY_PATH to a folder with libnvrtc.so)"
+            );
+            return;
+        }
+        let ptx = compile("compute_90").expect("kernels compile");
+        for name in [
+            "gemv_bf16w_bf16",
+            "attn_prefill_d128_f32",
+            "attn_decode_d64_bf16",
+            "topk_f32",
+            "rms_norm_f32",
+        ] {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "{name} missing from the PTX"
+            );
+        }
+    }
+
+    #[test]
+    fn arch_names() {
+        assert_eq!(arch_for(9, 0), "compute_90");
+        assert_eq!(arch_for(8, 0), "compute_80");
+    }
+}

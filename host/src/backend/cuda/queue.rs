@@ -1,0 +1,333 @@
+//! The deferred work queue. Backend operations append [`Op`]s here instead of launching; the
+//! queue runs them at the next synchronization point (`to_host`, a free, a drop). Seeing a
+//! whole forward pass before running it lets the queue
+//! - fuse neighbours (several GEMVs that read the same input; a residual add into the next
+//!   RMSNorm), and
+//! - replay it as a CUDA graph: a pass whose operation list (kernels, arguments, addresses)
+//!   equals the previous pass's is captured once and from then on launched as one graph.
+//!
+//! Host data (the step's token ids, positions and block tables) rides along as leading
+//! uploads, copied before the graph so that one graph serves every decode step of a batch.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaStream};
+
+use super::blas::{Blas, Gemm};
+use super::device::cuda_err;
+use super::module::{KernelId, Module};
+use crate::error::{Error, Result};
+
+/// Weight rows per GEMV segment list (Q/K/V in one launch).
+pub const GEMV_SEGMENTS: usize = 3;
+/// Threads per GEMV block (one warp per weight row).
+pub const GEMV_THREADS: u32 = 256;
+
+/// A fusable matrix-vector product (see `kernels/gemv.cu`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Gemv {
+    pub kernel: KernelId,
+    pub x: u64,
+    pub n: usize,
+    pub k: usize,
+    pub row_bytes: usize,
+    /// (weight, output, rows).
+    pub segs: Vec<(u64, u64, usize)>,
+}
+
+/// One unit of device work.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Op {
+    Launch {
+        kernel: KernelId,
+        grid: [u32; 3],
+        block: u32,
+        smem: u32,
+        args: Vec<u64>,
+    },
+    Gemv(Gemv),
+    /// `x += y` over `n` activations (kept apart so a following RMSNorm can absorb it).
+    Add {
+        kernel: KernelId,
+        x: u64,
+        y: u64,
+        n: usize,
+    },
+    Gemm(Gemm),
+    Memset {
+        ptr: u64,
+        bytes: usize,
+    },
+    Upload {
+        ptr: u64,
+        data: Vec<u8>,
+    },
+}
+
+/// A captured graph, owned by the queue.
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: a graph is only touched under the queue's mutex, one thread at a time.
+unsafe impl Send for Graph {}
+
+/// Counters for benchmarks and tests.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct QueueStats {
+    pub flushes: u64,
+    pub ops: u64,
+    pub graph_captures: u64,
+    pub graph_launches: u64,
+    /// Device time of the flushed work (only while timing is on), seconds.
+    pub device_s: f64,
+}
+
+/// Most graphs kept (least recently used dropped first).
+const MAX_GRAPHS: usize = 16;
+/// Shorter passes are not worth a graph.
+const MIN_GRAPH_OPS: usize = 8;
+
+pub struct Queue {
+    ops: Vec<Op>,
+    previous: Vec<Op>,
+    graphs: Vec<(Vec<Op>, Graph)>,
+    pub graphs_enabled: bool,
+    pub timing: bool,
+    pub stats: QueueStats,
+}
+
+impl Queue {
+    pub fn new(graphs_enabled: bool) -> Queue {
+        Queue {
+            ops: Vec::new(),
+            previous: Vec::new(),
+            graphs: Vec::new(),
+            graphs_enabled,
+            timing: false,
+            stats: QueueStats::default(),
+        }
+    }
+
+    pub fn push(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    /// The last queued op, for peephole fusion.
+    pub fn last_mut(&mut self) -> Option<&mut Op> {
+        self.ops.last_mut()
+    }
+
+    pub fn pop(&mut self) -> Option<Op> {
+        self.ops.pop()
+    }
+
+    /// Runs everything queued (leading uploads first, then the rest eagerly or as a graph).
+    pub fn flush(&mut self, m: &Module, blas: &Blas, stream: &Arc<CudaStream>) -> Result<()> {
+        if self.ops.is_empty() {
+            return Ok(());
+        }
+        let ops = std::mem::take(&mut self.ops);
+        self.stats.flushes += 1;
+        self.stats.ops += ops.len() as u64;
+        let lead = ops
+            .iter()
+            .take_while(|o| matches!(o, Op::Upload { .. }))
+            .count();
+        let (uploads, body) = ops.split_at(lead);
+        let timer = if self.timing {
+            Some(Timer::start(stream)?)
+        } else {
+            None
+        };
+        exec_all(uploads, m, blas, stream)?;
+        let graphable = self.graphs_enabled
+            && body.len() >= MIN_GRAPH_OPS
+            && !body.iter().any(|o| matches!(o, Op::Upload { .. }));
+        if graphable {
+            if let Some(i) = self.graphs.iter().position(|(k, _)| k.as_slice() == body) {
+                let entry = self.graphs.remove(i);
+                entry
+                    .1
+                     .0
+                    .launch()
+                    .map_err(|e| cuda_err("launching a CUDA graph", e))?;
+                self.graphs.push(entry);
+                self.stats.graph_launches += 1;
+            } else if self.previous.as_slice() == body {
+                let graph = capture(body, m, blas, stream)?;
+                graph
+                    .0
+                    .launch()
+                    .map_err(|e| cuda_err("launching a CUDA graph", e))?;
+                self.stats.graph_captures += 1;
+                self.stats.graph_launches += 1;
+                if self.graphs.len() >= MAX_GRAPHS {
+                    self.graphs.remove(0);
+                }
+                self.graphs.push((body.to_vec(), graph));
+            } else {
+                exec_all(body, m, blas, stream)?;
+                self.previous = body.to_vec();
+            }
+        } else {
+            exec_all(body, m, blas, stream)?;
+        }
+        if let Some(t) = timer {
+            self.stats.device_s += t.stop(stream)?;
+        }
+        Ok(())
+    }
+
+    /// Forgets every captured graph (their addresses may be about to be freed).
+    pub fn drop_graphs(&mut self) {
+        self.graphs.clear();
+        self.previous.clear();
+    }
+}
+
+fn capture(body: &[Op], m: &Module, blas: &Blas, stream: &Arc<CudaStream>) -> Result<Graph> {
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| cuda_err("beginning graph capture", e))?;
+    let ran = exec_all(body, m, blas, stream);
+    let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    ran?;
+    match ended {
+        Ok(Some(g)) => Ok(Graph(g)),
+        Ok(None) => Err(Error::Cuda("graph capture produced no graph".into())),
+        Err(e) => Err(cuda_err("instantiating a CUDA graph", e)),
+    }
+}
+
+fn exec_all(ops: &[Op], m: &Module, blas: &Blas, stream: &Arc<CudaStream>) -> Result<()> {
+    for op in ops {
+        exec(op, m, blas, stream)?;
+    }
+    Ok(())
+}
+
+fn launch(
+    m: &Module,
+    stream: &CudaStream,
+    kernel: KernelId,
+    grid: [u32; 3],
+    block: u32,
+    smem: u32,
+    args: &[u64],
+) -> Result<()> {
+    let mut vals: Vec<u64> = args.to_vec();
+    let mut ptrs: Vec<*mut c_void> = vals
+        .iter_mut()
+        .map(|v| v as *mut u64 as *mut c_void)
+        .collect();
+    // SAFETY: every kernel parameter is 8 bytes (pointer, long) or 4 bytes (int, float) and
+    // each argument word holds the value in its low bytes (little-endian), so a pointer to the
+    // word is a pointer to the parameter. The typed launchers built `args` to match the
+    // kernel's signature and checked the buffer sizes.
+    unsafe {
+        result::launch_kernel(
+            m.function(kernel),
+            (grid[0], grid[1], grid[2]),
+            (block, 1, 1),
+            smem,
+            stream.cu_stream(),
+            &mut ptrs,
+        )
+    }
+    .map_err(|e| cuda_err(&format!("launching kernel #{}", kernel.0), e))
+}
+
+fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>) -> Result<()> {
+    match op {
+        Op::Launch {
+            kernel,
+            grid,
+            block,
+            smem,
+            args,
+        } => launch(m, stream, *kernel, *grid, *block, *smem, args),
+        Op::Add { kernel, x, y, n } => {
+            let grid = elementwise_grid(*n);
+            launch(
+                m,
+                stream,
+                *kernel,
+                [grid, 1, 1],
+                256,
+                0,
+                &[*x, *y, *n as u64],
+            )
+        }
+        Op::Gemv(g) => {
+            let mut a = [0u64; 13];
+            for (i, &(w, y, rows)) in g.segs.iter().enumerate() {
+                a[i] = w;
+                a[3 + i] = y;
+                a[6 + i] = rows as u64;
+            }
+            a[9] = g.x;
+            a[10] = g.n as u64;
+            a[11] = g.k as u64;
+            a[12] = g.row_bytes as u64;
+            let rows: usize = g.segs.iter().map(|s| s.2).sum();
+            let warps = (GEMV_THREADS / 32) as usize;
+            launch(
+                m,
+                stream,
+                g.kernel,
+                [rows.div_ceil(warps) as u32, 1, 1],
+                GEMV_THREADS,
+                0,
+                &a,
+            )
+        }
+        Op::Gemm(g) => blas.run(g),
+        Op::Memset { ptr, bytes } => {
+            // SAFETY: the range lies in a live allocation (recorded by `zeros`).
+            unsafe { result::memset_d8_async(*ptr, 0, *bytes, stream.cu_stream()) }
+                .map_err(|e| cuda_err("memset", e))
+        }
+        Op::Upload { ptr, data } => {
+            // SAFETY: the destination holds `data.len()` bytes (the step arena was sized for
+            // it); pageable host memory is staged before the call returns.
+            unsafe { result::memcpy_htod_async(*ptr, data.as_slice(), stream.cu_stream()) }
+                .map_err(|e| cuda_err("upload", e))
+        }
+    }
+}
+
+/// Blocks for a grid-stride element-wise kernel over `n` elements (fixed for a given `n`).
+pub fn elementwise_grid(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 132 * 16) as u32
+}
+
+/// A pair of timing events around flushed work.
+struct Timer {
+    start: cudarc::driver::CudaEvent,
+}
+
+impl Timer {
+    fn start(stream: &Arc<CudaStream>) -> Result<Timer> {
+        let start = stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("event", e))?;
+        start
+            .record(stream)
+            .map_err(|e| cuda_err("event record", e))?;
+        Ok(Timer { start })
+    }
+
+    fn stop(self, stream: &Arc<CudaStream>) -> Result<f64> {
+        let end = stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| cuda_err("event", e))?;
+        end.record(stream)
+            .map_err(|e| cuda_err("event record", e))?;
+        let ms = self
+            .start
+            .elapsed_ms(&end)
+            .map_err(|e| cuda_err("event timing", e))?;
+        Ok(ms as f64 / 1e3)
+    }
+}

@@ -1,0 +1,82 @@
+//! Candidate selection on the device (`kernels/sample.cu`): argmax and top-K of logits rows,
+//! so that only ids and a few values cross to the host.
+
+use std::sync::Arc;
+
+use cudarc::driver::result;
+
+use super::device::cuda_err;
+use super::queue::Op;
+use super::{CudaBuf, Inner};
+use crate::error::{Error, Result};
+
+/// Largest K the top-K kernel takes (`TOPK_MAX`).
+pub const TOPK_MAX: usize = 1024;
+
+fn rows_of(x: &CudaBuf, width: usize) -> Result<usize> {
+    if width == 0 {
+        return Err(Error::BadRequest("row width 0".into()));
+    }
+    Ok(x.len() / width)
+}
+
+fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: `ptr` holds `n` values of `T` written by the queued kernel; the copy is ordered
+    // after it on the stream and complete once the stream is synchronized.
+    unsafe { result::memcpy_dtoh_async(v.as_mut_slice(), ptr, inner.stream.cu_stream()) }
+        .map_err(|e| cuda_err("copy to host", e))?;
+    inner.sync()?;
+    Ok(v)
+}
+
+pub(crate) fn argmax_rows(inner: &Arc<Inner>, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {
+    let rows = rows_of(x, width)?;
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let out = inner.scratch(rows, 4)?;
+    inner.push(Op::Launch {
+        kernel: inner.module.act(inner.act()).argmax,
+        grid: [rows as u32, 1, 1],
+        block: 1024,
+        smem: 0,
+        args: vec![out.ptr(), x.ptr(), width as u64],
+    });
+    inner.flush()?;
+    download(inner, out.ptr(), rows)
+}
+
+pub(crate) fn top_k_rows(
+    inner: &Arc<Inner>,
+    x: &CudaBuf,
+    width: usize,
+    k: usize,
+) -> Result<Vec<Vec<(u32, f32)>>> {
+    let rows = rows_of(x, width)?;
+    let k = k.min(width);
+    if k > TOPK_MAX {
+        return Err(Error::BadRequest(format!(
+            "top-K of {k} exceeds the device limit {TOPK_MAX}"
+        )));
+    }
+    if rows == 0 || k == 0 {
+        return Ok(vec![Vec::new(); rows]);
+    }
+    let ids = inner.scratch(rows * k, 4)?;
+    let vals = inner.scratch(rows * k, 4)?;
+    inner.push(Op::Launch {
+        kernel: inner.module.act(inner.act()).topk,
+        grid: [rows as u32, 1, 1],
+        block: 1024,
+        smem: 0,
+        args: vec![ids.ptr(), vals.ptr(), x.ptr(), width as u64, k as u64],
+    });
+    inner.flush()?;
+    let i: Vec<u32> = download(inner, ids.ptr(), rows * k)?;
+    let v: Vec<f32> = download(inner, vals.ptr(), rows * k)?;
+    Ok(i.chunks(k)
+        .zip(v.chunks(k))
+        .map(|(i, v)| i.iter().copied().zip(v.iter().copied()).collect())
+        .collect())
+}

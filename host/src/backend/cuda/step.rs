@@ -1,0 +1,232 @@
+//! A forward pass's batch layout on the device: token ids, positions, each token's sequence
+//! and KV slot, block tables (padded to a power-of-two width so decode steps keep one shape),
+//! the logits rows, per-sequence spans and the prefill kernel's 64-query work items, all in
+//! one pooled buffer filled by a single upload. Rotary tables are built per spec on first use.
+
+use std::sync::Arc;
+
+use super::ops;
+use super::queue::Op;
+use super::{CudaBuf, Inner};
+use crate::error::{Error, Result};
+use crate::model::batch::Batch;
+use crate::model::hparams::RopeSpec;
+
+/// Query rows per prefill work item (`FA_BM` in `kernels/attention_prefill.cu`).
+pub const PREFILL_TILE: usize = 64;
+
+/// What `embed` and `gather_rows` look up to reuse the step's device copies.
+pub(crate) struct StepCache {
+    pub tokens: Vec<u8>,
+    pub tokens_ptr: u64,
+    pub rows: Vec<usize>,
+    pub rows_ptr: u64,
+    arena: u64,
+}
+
+/// Device offsets (bytes) of the arrays in the arena.
+#[derive(Debug, Clone, Copy, Default)]
+struct Offsets {
+    tokens: usize,
+    positions: usize,
+    tok_seq: usize,
+    slots: usize,
+    tables: usize,
+    rows: usize,
+    seq_start: usize,
+    seq_len: usize,
+    seq_pos: usize,
+    tiles: usize,
+}
+
+/// A prepared step (see the module doc).
+pub struct CudaStep {
+    pub n_tokens: usize,
+    pub n_seqs: usize,
+    /// Padded block-table width.
+    pub width: usize,
+    /// Longest query run of a sequence this step.
+    pub max_len: usize,
+    /// Longest context (cached + new) of a sequence.
+    pub max_ctx: usize,
+    /// Largest block id any table uses.
+    pub max_block: u32,
+    pub block_size: usize,
+    pub n_tiles: usize,
+    arena: CudaBuf,
+    off: Offsets,
+    ropes: Vec<(RopeSpec, CudaBuf, CudaBuf)>,
+}
+
+fn put<T: Copy>(
+    buf: &mut Vec<u8>,
+    items: impl IntoIterator<Item = T>,
+    to_bytes: impl Fn(T) -> Vec<u8>,
+) -> usize {
+    while buf.len() % 16 != 0 {
+        buf.push(0);
+    }
+    let at = buf.len();
+    for x in items {
+        buf.extend(to_bytes(x));
+    }
+    at
+}
+
+pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> Result<CudaStep> {
+    if block_size == 0 {
+        return Err(Error::BadRequest("block size 0".into()));
+    }
+    let n = batch.n_tokens();
+    let mut tok_seq = vec![0i32; n];
+    let mut slots = vec![0i64; n];
+    let (mut max_len, mut max_ctx, mut max_table, mut max_block) = (0usize, 0usize, 1usize, 0u32);
+    for (si, s) in batch.seqs.iter().enumerate() {
+        if s.start + s.len > n {
+            return Err(Error::BadRequest(format!(
+                "sequence {si} runs past the batch's tokens"
+            )));
+        }
+        let need = (s.pos + s.len).div_ceil(block_size);
+        if s.block_table.len() < need {
+            return Err(Error::BadRequest(format!(
+                "sequence {si}: block table has {} blocks, {} tokens need {need}",
+                s.block_table.len(),
+                s.pos + s.len
+            )));
+        }
+        for i in 0..s.len {
+            let p = s.pos + i;
+            let b = s.block_table[p / block_size];
+            tok_seq[s.start + i] = si as i32;
+            slots[s.start + i] = (b as usize * block_size + p % block_size) as i64;
+        }
+        max_len = max_len.max(s.len);
+        max_ctx = max_ctx.max(s.pos + s.len);
+        max_table = max_table.max(s.block_table.len());
+        max_block = max_block.max(s.block_table.iter().copied().max().unwrap_or(0));
+    }
+    if let Some(&r) = batch.logits_for.iter().find(|&&r| r >= n) {
+        return Err(Error::BadRequest(format!(
+            "logits row {r} is outside the batch ({n} tokens)"
+        )));
+    }
+    let width = max_table.next_power_of_two();
+    let positions = batch.positions();
+    let mut tiles = Vec::new();
+    for (si, s) in batch.seqs.iter().enumerate() {
+        for q0 in (0..s.len).step_by(PREFILL_TILE) {
+            tiles.push(si as i32);
+            tiles.push(q0 as i32);
+        }
+    }
+    let i32b = |v: i32| v.to_le_bytes().to_vec();
+    let mut buf = Vec::new();
+    let off = Offsets {
+        tokens: put(&mut buf, batch.tokens.iter().copied(), |t: u32| {
+            t.to_le_bytes().to_vec()
+        }),
+        positions: put(&mut buf, positions.iter().map(|&p| p as i32), i32b),
+        tok_seq: put(&mut buf, tok_seq.iter().copied(), i32b),
+        slots: put(&mut buf, slots.iter().copied(), |v: i64| {
+            v.to_le_bytes().to_vec()
+        }),
+        tables: put(
+            &mut buf,
+            batch.seqs.iter().flat_map(|s| {
+                (0..width).map(move |j| s.block_table.get(j).copied().unwrap_or(0) as i32)
+            }),
+            i32b,
+        ),
+        rows: put(&mut buf, batch.logits_for.iter().map(|&r| r as i32), i32b),
+        seq_start: put(&mut buf, batch.seqs.iter().map(|s| s.start as i32), i32b),
+        seq_len: put(&mut buf, batch.seqs.iter().map(|s| s.len as i32), i32b),
+        seq_pos: put(&mut buf, batch.seqs.iter().map(|s| s.pos as i32), i32b),
+        tiles: put(&mut buf, tiles.iter().copied(), i32b),
+    };
+    let arena = inner.scratch(buf.len().max(16), 1)?;
+    let base = arena.ptr();
+    let tokens_bytes = buf[off.tokens..off.tokens + 4 * n].to_vec();
+    inner.push(Op::Upload {
+        ptr: base,
+        data: buf,
+    });
+    if let Ok(mut c) = inner.step_cache.lock() {
+        *c = Some(StepCache {
+            tokens: tokens_bytes,
+            tokens_ptr: base + off.tokens as u64,
+            rows: batch.logits_for.clone(),
+            rows_ptr: base + off.rows as u64,
+            arena: base,
+        });
+    }
+    Ok(CudaStep {
+        n_tokens: n,
+        n_seqs: batch.seqs.len(),
+        width,
+        max_len,
+        max_ctx,
+        max_block,
+        block_size,
+        n_tiles: tiles.len() / 2,
+        arena,
+        off,
+        ropes: Vec::new(),
+    })
+}
+
+impl CudaStep {
+    fn at(&self, off: usize) -> u64 {
+        self.arena.ptr() + off as u64
+    }
+
+    pub fn positions(&self) -> u64 {
+        self.at(self.off.positions)
+    }
+    pub fn tok_seq(&self) -> u64 {
+        self.at(self.off.tok_seq)
+    }
+    pub fn slots(&self) -> u64 {
+        self.at(self.off.slots)
+    }
+    pub fn tables(&self) -> u64 {
+        self.at(self.off.tables)
+    }
+    pub fn seq_start(&self) -> u64 {
+        self.at(self.off.seq_start)
+    }
+    pub fn seq_len(&self) -> u64 {
+        self.at(self.off.seq_len)
+    }
+    pub fn seq_pos(&self) -> u64 {
+        self.at(self.off.seq_pos)
+    }
+    pub fn tiles(&self) -> u64 {
+        self.at(self.off.tiles)
+    }
+
+    /// Device pointers of the cos/sin table of `spec`, queued on first use.
+    pub(crate) fn rope_table(&mut self, inner: &Arc<Inner>, spec: RopeSpec) -> Result<(u64, u64)> {
+        if let Some((_, c, s)) = self.ropes.iter().find(|(sp, _, _)| *sp == spec) {
+            return Ok((c.ptr(), s.ptr()));
+        }
+        let len = self.n_tokens * (spec.dims / 2);
+        let cs = inner.scratch(len, 4)?;
+        let sn = inner.scratch(len, 4)?;
+        ops::rope_table(inner, self.positions(), self.n_tokens, spec, &cs, &sn);
+        let ptrs = (cs.ptr(), sn.ptr());
+        self.ropes.push((spec, cs, sn));
+        Ok(ptrs)
+    }
+}
+
+impl Drop for CudaStep {
+    fn drop(&mut self) {
+        let inner = &self.arena.inner;
+        if let Ok(mut c) = inner.step_cache.lock() {
+            if c.as_ref().is_some_and(|c| c.arena == self.arena.ptr()) {
+                *c = None;
+            }
+        }
+    }
+}

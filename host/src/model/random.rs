@@ -1,0 +1,323 @@
+//! Random-weight models of named full-size shapes (`--random-weights llama3-8b`), so that speed
+//! can be measured where no checkpoint can be downloaded. The [`RandomWeights`] source makes
+//! deterministic pseudo-random bf16 matrices (magnitudes near 1/sqrt(fan-in), random signs)
+//! and unit norm gains; the tokenizer is the tiny byte-level one (ids above it decode to
+//! nothing). The numbers mean nothing; the shapes, bytes and FLOPs are the real model's.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::hparams::{AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle};
+use super::{arch, gguf, gguf_writer, tiny, LoadedModel, Naming, WeightSource};
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{Bytes, DType, Weight};
+
+/// A named decoder shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    pub name: &'static str,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub tie_embeddings: bool,
+}
+
+/// The shapes `--random-weights` knows.
+pub const SHAPES: &[Shape] = &[
+    Shape {
+        name: "llama3-8b",
+        hidden: 4096,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        ffn: 14336,
+        vocab: 128256,
+        rope_theta: 500000.0,
+        tie_embeddings: false,
+    },
+    Shape {
+        name: "llama3-1b",
+        hidden: 2048,
+        layers: 16,
+        heads: 32,
+        kv_heads: 8,
+        ffn: 8192,
+        vocab: 128256,
+        rope_theta: 500000.0,
+        tie_embeddings: true,
+    },
+    Shape {
+        name: "smollm2-135m",
+        hidden: 576,
+        layers: 30,
+        heads: 9,
+        kv_heads: 3,
+        ffn: 1536,
+        vocab: 49152,
+        rope_theta: 100000.0,
+        tie_embeddings: true,
+    },
+    Shape {
+        name: "tiny",
+        hidden: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        ffn: 512,
+        vocab: 1024,
+        rope_theta: 10000.0,
+        tie_embeddings: false,
+    },
+];
+
+/// Looks a shape up by name.
+pub fn shape(name: &str) -> Result<Shape> {
+    SHAPES
+        .iter()
+        .copied()
+        .find(|s| s.name == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+            Error::BadConfig(format!(
+                "unknown random-weights shape `{name}` (known: {})",
+                known.join(", ")
+            ))
+        })
+}
+
+impl Shape {
+    /// Parameters, embedding and output head included.
+    pub fn params(&self) -> usize {
+        let hd = self.hidden / self.heads;
+        let attn = self.hidden * hd * (2 * self.heads + 2 * self.kv_heads);
+        let per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden;
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab * self.hidden
+        };
+        self.layers * per_layer + self.vocab * self.hidden + head + self.hidden
+    }
+
+    pub fn config(&self) -> ModelConfig {
+        let head_dim = self.hidden / self.heads;
+        let spec = LayerSpec {
+            attention: AttentionKind::Full,
+            rope: RopeSpec {
+                theta: self.rope_theta,
+                dims: head_dim,
+                style: RopeStyle::Half,
+                scale: 1.0,
+            },
+        };
+        ModelConfig {
+            arch: "llama".into(),
+            n_layers: self.layers,
+            hidden: self.hidden,
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
+            head_dim,
+            ffn: self.ffn,
+            vocab: self.vocab,
+            context_len: 131072,
+            rms_eps: 1e-5,
+            tie_embeddings: self.tie_embeddings,
+            layers: vec![spec; self.layers],
+        }
+    }
+}
+
+/// Deterministic random weights in HF naming.
+#[derive(Debug, Clone)]
+pub struct RandomWeights {
+    pub seed: u64,
+    pub tie_embeddings: bool,
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// `n` bf16 values (little-endian bytes): sign, 7 random mantissa bits and one of four
+/// exponents, so magnitudes spread over [scale/8, 2 scale). Filled in parallel chunks whose
+/// seeds depend only on their index, so the result does not depend on the thread count.
+pub fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<u8> {
+    const CHUNK: usize = 1 << 20;
+    let e0 = scale.max(1e-30).log2().floor() as i32 + 127;
+    let mut out = vec![0u8; n * 2];
+    let fill = |ci: usize, dst: &mut [u8]| {
+        let mut s = splitmix(seed ^ (ci as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+        for quad in dst.chunks_mut(8) {
+            s = splitmix(s);
+            for (j, b) in quad.chunks_mut(2).enumerate() {
+                let c = (s >> (16 * j)) as u16;
+                let exp = (e0 - ((c >> 7) & 3) as i32).clamp(1, 254) as u16;
+                let bits = (c & 0x8000) | (exp << 7) | (c & 0x7f);
+                b.copy_from_slice(&bits.to_le_bytes()[..b.len()]);
+            }
+        }
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .min(32);
+    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * 2).enumerate().collect();
+    let per = chunks.len().div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<(usize, &mut [u8])>> = Vec::new();
+    let mut it = chunks.into_iter().peekable();
+    while it.peek().is_some() {
+        groups.push(it.by_ref().take(per).collect());
+    }
+    std::thread::scope(|sc| {
+        for g in groups {
+            sc.spawn(move || {
+                for (ci, dst) in g {
+                    fill(ci, dst);
+                }
+            });
+        }
+    });
+    out
+}
+
+impl WeightSource for RandomWeights {
+    fn naming(&self) -> Naming {
+        Naming::Hf
+    }
+
+    fn has(&self, name: &str) -> bool {
+        !(self.tie_embeddings && name == "lm_head.weight")
+    }
+
+    fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let (rows, cols) = match *shape {
+            [c] => (1, c),
+            [r, c] => (r, c),
+            _ => {
+                return Err(Error::BadConfig(format!(
+                    "random weight `{name}`: unsupported shape {shape:?}"
+                )))
+            }
+        };
+        if rows == 1 {
+            return Ok(Weight::from_f32(1, cols, &vec![1.0; cols]));
+        }
+        let data = random_bf16(
+            rows * cols,
+            1.0 / (cols as f32).sqrt(),
+            self.seed ^ name_hash(name),
+        );
+        Ok(Weight {
+            dtype: DType::BF16,
+            rows,
+            cols,
+            data: Bytes::Owned(Arc::new(data)),
+        })
+    }
+}
+
+/// The tiny byte-level tokenizer (written to a temporary GGUF and read back).
+fn byte_tokenizer() -> Result<super::tokenizer::Tokenizer> {
+    let (meta, _) = tiny::TinyLlama {
+        layers: 0,
+        ..Default::default()
+    }
+    .build();
+    let path: PathBuf = std::env::temp_dir().join(format!(
+        "deepinfer-random-tokenizer-{}.gguf",
+        std::process::id()
+    ));
+    gguf_writer::write(&path, &meta, &[])?;
+    let g = gguf::GgufFile::open(&path);
+    let _ = std::fs::remove_file(&path);
+    super::tokenizer::Tokenizer::from_gguf(&g?)
+}
+
+/// Builds a random-weight model of shape `name` on `device`.
+pub fn load(name: &str, seed: u64, device: Device) -> Result<LoadedModel> {
+    let s = shape(name)?;
+    let src = RandomWeights {
+        seed,
+        tie_embeddings: s.tie_embeddings,
+    };
+    let model = arch::build(s.config(), &src, device)?;
+    Ok(LoadedModel {
+        path: PathBuf::from(format!("random:{name}")),
+        model,
+        tokenizer: byte_tokenizer()?,
+        chat_template: None,
+    })
+}
+
+/// The model a CLI command runs: the random-weight shape `random` when given, else the
+/// checkpoint `model` (or the default model) resolved as usual.
+pub fn load_cli_model(
+    model: Option<&std::path::Path>,
+    random: Option<&str>,
+    device: Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<LoadedModel> {
+    match random {
+        Some(name) => {
+            log(&format!("building random {name} weights on {device:?}"));
+            load(name, 0, device)
+        }
+        None => {
+            let path = super::fetch::resolve_model(model, log)?;
+            super::load(&path, device)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_8b_has_eight_billion_parameters() {
+        let p = shape("llama3-8b").unwrap().params();
+        assert!((8_000_000_000..8_100_000_000).contains(&p), "{p}");
+        assert!(shape("nope").is_err());
+    }
+
+    #[test]
+    fn random_bf16_is_deterministic_signed_and_scaled() {
+        let a = random_bf16(3_000_001, 0.01, 7);
+        assert_eq!(a, random_bf16(3_000_001, 0.01, 7));
+        assert_ne!(a, random_bf16(3_000_001, 0.01, 8));
+        let vals: Vec<f32> = a
+            .chunks(2)
+            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            .collect();
+        let neg = vals.iter().filter(|v| **v < 0.0).count();
+        assert!((neg as f64 / vals.len() as f64 - 0.5).abs() < 0.01);
+        assert!(vals
+            .iter()
+            .all(|v| v.abs() >= 0.01 / 16.0 && v.abs() < 0.02 && v.is_finite()));
+    }
+
+    #[test]
+    fn tiny_random_model_runs_on_the_cpu() {
+        let m = load("tiny", 1, Device::Cpu { threads: 1 }).unwrap();
+        let mut kv = m.model.new_kv(4, 16).unwrap();
+        let mut b = crate::model::batch::Batch::default();
+        b.push(&[1, 2, 3], 0, vec![0], true);
+        let logits = m.model.forward(&b, &mut kv).unwrap();
+        assert_eq!(logits.len(), 1024);
+        assert!(logits.iter().all(|v| v.is_finite()));
+        assert!(m.tokenizer.encode("hello").unwrap().len() > 1);
+    }
+}

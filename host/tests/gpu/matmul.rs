@@ -1,0 +1,159 @@
+//! Linear layers of every weight type the CUDA backend reads, through the GEMV path (up to 8
+//! tokens) and the cuBLAS path (more), against an f64 product of the dequantized weights.
+
+use std::sync::Arc;
+
+use deepinfer::backend::cpu::quant::dequantize_row;
+use deepinfer::backend::cuda::Act;
+use deepinfer::backend::Backend;
+use deepinfer::tensor::{Bytes, DType, Weight};
+use half::{bf16, f16};
+
+use super::util::{assert_close, backend, upload, Rng};
+
+/// A random weight of `dtype` (block scales kept in a sane range).
+pub fn random_weight(rng: &mut Rng, dtype: DType, rows: usize, cols: usize) -> Weight {
+    let n = rows * cols;
+    let h = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    let mut b = Vec::new();
+    match dtype {
+        DType::F32 => return Weight::from_f32(rows, cols, &rng.vec(n, 0.5)),
+        DType::F16 => (0..n).for_each(|_| b.extend(h(rng.f32() * 0.5))),
+        DType::BF16 => {
+            (0..n).for_each(|_| b.extend(bf16::from_f32(rng.f32() * 0.5).to_bits().to_le_bytes()))
+        }
+        _ => {
+            let blocks = n / dtype.block_elems();
+            for _ in 0..blocks {
+                let start = b.len();
+                let d = 0.01 + 0.04 * rng.f32().abs();
+                match dtype {
+                    DType::Q4_0 | DType::Q8_0 => b.extend(h(d)),
+                    DType::Q4_1 | DType::Q4_K => {
+                        b.extend(h(d));
+                        b.extend(h(if dtype == DType::Q4_K {
+                            d
+                        } else {
+                            -0.1 * rng.f32().abs()
+                        }));
+                    }
+                    _ => unreachable!("no generator for {dtype}"),
+                }
+                while b.len() < start + dtype.block_bytes() {
+                    b.push(rng.next_u64() as u8);
+                }
+            }
+        }
+    }
+    Weight {
+        dtype,
+        rows,
+        cols,
+        data: Bytes::Owned(Arc::new(b)),
+    }
+}
+
+fn dequant(w: &Weight) -> Vec<f32> {
+    let mut out = vec![0f32; w.rows * w.cols];
+    let rb = w.row_bytes();
+    for r in 0..w.rows {
+        dequantize_row(
+            w.dtype,
+            &w.bytes()[r * rb..(r + 1) * rb],
+            &mut out[r * w.cols..(r + 1) * w.cols],
+        );
+    }
+    out
+}
+
+fn reference(wf: &[f32], x: &[f32], rows: usize, cols: usize, n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let s: f64 = (0..cols)
+                .map(|c| wf[r * cols + c] as f64 * x[t * cols + c] as f64)
+                .sum();
+            y[t * rows + r] = s as f32;
+        }
+    }
+    y
+}
+
+#[test]
+fn matmul_matches_the_dequantized_product_for_every_type_and_token_count() {
+    let mut rng = Rng::fresh("matmul");
+    for act in [Act::F32, Act::Bf16] {
+        let Some(be) = backend(act) else { return };
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_K,
+        ] {
+            let shapes: &[(usize, usize)] = match dtype {
+                DType::Q4_K => &[(37, 256), (300, 512)],
+                DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => &[(37, 64), (300, 96), (129, 576)],
+                _ => &[(37, 64), (300, 96), (45, 13), (130, 100)],
+            };
+            for &(rows, cols) in shapes {
+                let w = random_weight(&mut rng, dtype, rows, cols);
+                let wf = dequant(&w);
+                let gw = be.prepare_weight(&w).expect("weight uploads");
+                for n in [1usize, 3, 8, 9, 33] {
+                    let x = rng.vec(n * cols, 1.0);
+                    let xb = upload(&be, n, cols, &x);
+                    let mut y = be.zeros(n * rows).unwrap();
+                    be.matmul(&gw, &xb, n, &mut y).unwrap();
+                    let got = be.to_host(&y).unwrap();
+                    let want = reference(&wf, &x, rows, cols, n);
+                    // bf16 inputs to cuBLAS (n > 8) or bf16 activations round to 8 bits.
+                    // Q4_K is expanded to bf16 at load.
+                    let rounded = dtype == DType::Q4_K || (n > 8 && dtype != DType::F32);
+                    let tol = match (act, rounded) {
+                        (Act::Bf16, _) => 1.5e-2,
+                        (Act::F32, true) => 8e-3,
+                        (Act::F32, false) => 2e-5,
+                    };
+                    assert_close(
+                        &format!("{act:?} {dtype} {rows}x{cols} n={n}"),
+                        &got,
+                        &want,
+                        tol,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_sharing_an_input_fuse_and_stay_correct() {
+    let mut rng = Rng::fresh("fused gemv");
+    let Some(be) = backend(Act::F32) else { return };
+    let cols = 128;
+    let ws: Vec<Weight> = [64usize, 32, 32, 200]
+        .iter()
+        .map(|&r| random_weight(&mut rng, DType::BF16, r, cols))
+        .collect();
+    let gws: Vec<_> = ws.iter().map(|w| be.prepare_weight(w).unwrap()).collect();
+    for n in [1usize, 2, 20] {
+        let x = rng.vec(n * cols, 1.0);
+        let xb = upload(&be, n, cols, &x);
+        let mut ys: Vec<_> = ws.iter().map(|w| be.zeros(n * w.rows).unwrap()).collect();
+        for (g, y) in gws.iter().zip(ys.iter_mut()) {
+            be.matmul(g, &xb, n, y).unwrap();
+        }
+        for (w, y) in ws.iter().zip(&ys) {
+            let want = reference(&dequant(w), &x, w.rows, cols, n);
+            assert_close(
+                &format!("fused n={n} rows={}", w.rows),
+                &be.to_host(y).unwrap(),
+                &want,
+                if n > 8 { 8e-3 } else { 2e-5 },
+            );
+        }
+    }
+}

@@ -1,0 +1,390 @@
+// Paged causal attention for prefill and long chunks, flash-attention style on the bf16
+// tensor cores (mma.sync m16n8k16, fp32 accumulation). A block of 4 warps takes 64 query
+// tokens of one sequence for one query head (16 rows per warp) and walks the sequence's keys
+// in tiles of 64, gathered from the paged cache through its block table into shared memory
+// (rows swizzled by 16-byte chunk so ldmatrix is conflict-free). Scores stay in registers:
+// the S accumulator is re-packed as the A operand of P.V (FA2's register reuse), with an
+// online softmax in base 2. Grouped-query heads share their KV head; sliding windows mask.
+//
+// Work items (`tiles`: [n_tiles][2] = sequence, first query index) are walked from the last,
+// so the longest causal rows start first.
+
+#define FA_BM 64
+#define FA_BN 64
+#define FA_THREADS 128
+
+__device__ __forceinline__ void ldsm_x4(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Offset of element (row, col) in a [rows][D] bf16 tile whose 16-byte chunks are XOR-swizzled.
+template <int D>
+__device__ __forceinline__ int swz(int row, int col) {
+    return row * D + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+}
+
+__device__ __forceinline__ uint4 load8_as_bf16(const float* p) {
+    float f[8];
+    act_load8(p, f);
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                      pack_bf16x2(f[6], f[7]));
+}
+__device__ __forceinline__ uint4 load8_as_bf16(const bf16_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <typename T, int D>
+__device__ void attn_prefill_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
+                                  int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
+                                  const int* tables, int table_width, int n_heads, int n_kv_heads, int block_size,
+                                  float scale_log2, int window) {
+    constexpr int CH = D / 8;
+    __shared__ __align__(16) bf16_t sq[FA_BM * D];
+    __shared__ __align__(16) bf16_t sk[FA_BN * D];
+    __shared__ __align__(16) bf16_t sv[FA_BN * D];
+
+    const int tile = n_tiles - 1 - blockIdx.x;
+    const int si = tiles[2 * tile], q0 = tiles[2 * tile + 1];
+    const int h = blockIdx.y;
+    const int g = h / (n_heads / n_kv_heads);
+    const int start = seq_start[si], len = seq_len[si], pos = seq_pos[si];
+    const int qn = min(FA_BM, len - q0);
+    const int* table = tables + (long)si * table_width;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    for (int e = tid; e < FA_BM * CH; e += FA_THREADS) {
+        const int r = e / CH, c = e % CH;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
+        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
+    }
+    __syncthreads();
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const int qrow0 = pos + q0 + warp * 16 + (lane >> 2);  // position of this thread's first row
+    const int qfirst = pos + q0, qlast = pos + q0 + qn - 1;
+    int kstart = window > 0 ? max(0, qfirst + 1 - window) : 0;
+    kstart = kstart / FA_BN * FA_BN;
+
+    for (int kt = kstart; kt <= qlast; kt += FA_BN) {
+        __syncthreads();
+        for (int e = tid; e < FA_BN * CH; e += FA_THREADS) {
+            const int r = e / CH, c = e % CH;
+            const int j = kt + r;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (j <= qlast) {
+                const long slot = (long)table[j / block_size] * block_size + j % block_size;
+                const long off = (slot * n_kv_heads + g) * D + c * 8;
+                kv = *reinterpret_cast<const uint4*>(kc + off);
+                vv = *reinterpret_cast<const uint4*>(vc + off);
+            }
+            *reinterpret_cast<uint4*>(&sk[swz<D>(r, c * 8)]) = kv;
+            *reinterpret_cast<uint4*>(&sv[swz<D>(r, c * 8)]) = vv;
+        }
+        __syncthreads();
+
+        float s[FA_BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < FA_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+            for (int np = 0; np < FA_BN / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
+                mma_bf16_16816(s[2 * np], qf[kk], b0, b1);
+                mma_bf16_16816(s[2 * np + 1], qf[kk], b2, b3);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_BN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int qp = qrow0 + (e >> 1) * 8;
+                const bool ok = key <= qp && (window <= 0 || key > qp - window);
+                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int rh = 0; rh < 2; rh++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(mrow[rh], mx);
+            const float muse = mnew == NEG_INF ? 0.0f : mnew;
+            const float corr = exp2f(mrow[rh] - muse);
+            mrow[rh] = mnew;
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) {
+                const float p0 = exp2f(s[nt][2 * rh] - muse), p1 = exp2f(s[nt][2 * rh + 1] - muse);
+                s[nt][2 * rh] = p0;
+                s[nt][2 * rh + 1] = p1;
+                rs += p0 + p1;
+            }
+            lrow[rh] = lrow[rh] * corr + rs;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                o[dt][2 * rh] *= corr;
+                o[dt][2 * rh + 1] *= corr;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++) {
+            u32 a[4];
+            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
+                mma_bf16_16816(o[2 * dp], a, b0, b1);
+                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+        float l = lrow[rh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = warp * 16 + (lane >> 2) + rh * 8;
+        if (row < qn) {
+            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                const int d = dt * 8 + 2 * (lane & 3);
+                act_store(out, base + d, o[dt][2 * rh] * inv);
+                act_store(out, base + d + 1, o[dt][2 * rh + 1] * inv);
+            }
+        }
+    }
+}
+
+// The same computation with the K/V tiles double-buffered: while a tile is multiplied, the
+// next one streams into the other buffer with cp.async (16-byte copies, zero-filled past the
+// context). Shared memory: Q tile + 2 x (K, V) tiles, dynamic (80 KB at D = 128).
+__device__ __forceinline__ void cp_async16(bf16_t* dst, const bf16_t* src, bool valid) {
+    const u32 a = (u32)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(n));
+}
+
+template <typename T, int D>
+__device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
+                                   int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
+                                   const int* tables, int table_width, int n_heads, int n_kv_heads, int block_size,
+                                   float scale_log2, int window) {
+    constexpr int CH = D / 8;
+    extern __shared__ __align__(16) bf16_t smem[];
+    bf16_t* sq = smem;
+    bf16_t* skv = smem + FA_BM * D;  // stage s: K at skv + s * 2 * FA_BN * D, V right after
+
+    const int tile = n_tiles - 1 - blockIdx.x;
+    const int si = tiles[2 * tile], q0 = tiles[2 * tile + 1];
+    const int h = blockIdx.y;
+    const int g = h / (n_heads / n_kv_heads);
+    const int start = seq_start[si], len = seq_len[si], pos = seq_pos[si];
+    const int qn = min(FA_BM, len - q0);
+    const int* table = tables + (long)si * table_width;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int qfirst = pos + q0, qlast = pos + q0 + qn - 1;
+    int kstart = window > 0 ? max(0, qfirst + 1 - window) : 0;
+    kstart = kstart / FA_BN * FA_BN;
+    const int n_kt = (qlast - kstart) / FA_BN + 1;
+
+    auto issue = [&](int it) {
+        const int kt = kstart + it * FA_BN;
+        bf16_t* sk = skv + (it & 1) * 2 * FA_BN * D;
+        bf16_t* sv = sk + FA_BN * D;
+        for (int e = tid; e < FA_BN * CH; e += FA_THREADS) {
+            const int r = e / CH, c = e % CH;
+            const int j = kt + r;
+            const bool ok = j <= qlast;
+            long off = 0;
+            if (ok) {
+                const long slot = (long)table[j / block_size] * block_size + j % block_size;
+                off = (slot * n_kv_heads + g) * D + c * 8;
+            }
+            cp_async16(&sk[swz<D>(r, c * 8)], kc + off, ok);
+            cp_async16(&sv[swz<D>(r, c * 8)], vc + off, ok);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    issue(0);
+    for (int e = tid; e < FA_BM * CH; e += FA_THREADS) {
+        const int r = e / CH, c = e % CH;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
+        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
+    }
+    __syncthreads();
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const int qrow0 = pos + q0 + warp * 16 + (lane >> 2);
+
+    for (int it = 0; it < n_kt; it++) {
+        if (it + 1 < n_kt) {
+            issue(it + 1);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();
+        const int kt = kstart + it * FA_BN;
+        const bf16_t* sk = skv + (it & 1) * 2 * FA_BN * D;
+        const bf16_t* sv = sk + FA_BN * D;
+
+        float s[FA_BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < FA_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+            for (int np = 0; np < FA_BN / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3, &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
+                mma_bf16_16816(s[2 * np], qf[kk], b0, b1);
+                mma_bf16_16816(s[2 * np + 1], qf[kk], b2, b3);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_BN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                const int qp = qrow0 + (e >> 1) * 8;
+                const bool ok = key <= qp && (window <= 0 || key > qp - window);
+                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int rh = 0; rh < 2; rh++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(mrow[rh], mx);
+            const float muse = mnew == NEG_INF ? 0.0f : mnew;
+            const float corr = exp2f(mrow[rh] - muse);
+            mrow[rh] = mnew;
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < FA_BN / 8; nt++) {
+                const float p0 = exp2f(s[nt][2 * rh] - muse), p1 = exp2f(s[nt][2 * rh + 1] - muse);
+                s[nt][2 * rh] = p0;
+                s[nt][2 * rh + 1] = p1;
+                rs += p0 + p1;
+            }
+            lrow[rh] = lrow[rh] * corr + rs;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                o[dt][2 * rh] *= corr;
+                o[dt][2 * rh + 1] *= corr;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++) {
+            u32 a[4];
+            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3, &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
+                mma_bf16_16816(o[2 * dp], a, b0, b1);
+                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();  // this stage is refilled two iterations on
+    }
+
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+        float l = lrow[rh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = warp * 16 + (lane >> 2) + rh * 8;
+        if (row < qn) {
+            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                const int d = dt * 8 + 2 * (lane & 3);
+                act_store(out, base + d, o[dt][2 * rh] * inv);
+                act_store(out, base + d + 1, o[dt][2 * rh + 1] * inv);
+            }
+        }
+    }
+}
+
+#define PREFILL_WRAPPER(T, S, D)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_prefill_d##D##_##S(                            \
+        T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
+        const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
+        int block_size, float scale_log2, int window) {                                                            \
+        attn_prefill_impl<T, D>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos, tables, table_width,  \
+                                n_heads, n_kv_heads, block_size, scale_log2, window);                              \
+    }
+
+#define PREFILL2_WRAPPER(T, S, D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_prefill2_d##D##_##S(                           \
+        T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
+        const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
+        int block_size, float scale_log2, int window) {                                                            \
+        attn_prefill2_impl<T, D>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos, tables, table_width, \
+                                 n_heads, n_kv_heads, block_size, scale_log2, window);                             \
+    }
+
+PREFILL2_WRAPPER(float, f32, 64)
+PREFILL2_WRAPPER(float, f32, 128)
+PREFILL2_WRAPPER(bf16_t, bf16, 64)
+PREFILL2_WRAPPER(bf16_t, bf16, 128)
+
+PREFILL_WRAPPER(float, f32, 64)
+PREFILL_WRAPPER(float, f32, 128)
+PREFILL_WRAPPER(bf16_t, bf16, 64)
+PREFILL_WRAPPER(bf16_t, bf16, 128)

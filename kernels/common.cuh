@@ -1,0 +1,143 @@
+// Shared definitions for every kernel file. The Rust side concatenates this file with the
+// kernel files and compiles the result once with NVRTC, so nothing here may #include a
+// header: NVRTC ships no standard library. bf16 and f16 values travel as raw 16-bit words
+// and are converted with PTX instructions.
+//
+// Activation buffers hold either f32 or bf16 (the backend's choice); kernels are templates
+// over the activation type `T` and `extern "C"` wrappers name each instantiation
+// `<kernel>_f32` / `<kernel>_bf16`.
+
+typedef unsigned short bf16_t;
+typedef unsigned short f16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+typedef signed char i8;
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+
+// Two floats packed as bf16x2 (lo in the low half), the operand format of the mma instructions.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Activation loads and stores, overloaded on the storage type.
+__device__ __forceinline__ float act_load(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float act_load(const bf16_t* p, long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void act_store(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void act_store(bf16_t* p, long i, float v) { p[i] = f32_to_bf16(v); }
+
+// Eight consecutive activations (16- or 32-byte aligned) as floats.
+__device__ __forceinline__ void act_load8(const float* p, float* out) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float* out) {
+    out[0] = __uint_as_float(v.x << 16); out[1] = __uint_as_float(v.x & 0xffff0000u);
+    out[2] = __uint_as_float(v.y << 16); out[3] = __uint_as_float(v.y & 0xffff0000u);
+    out[4] = __uint_as_float(v.z << 16); out[5] = __uint_as_float(v.z & 0xffff0000u);
+    out[6] = __uint_as_float(v.w << 16); out[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+__device__ __forceinline__ void act_load8(const bf16_t* p, float* out) {
+    bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result. `red` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    const int nw = (blockDim.x + 31) >> 5;
+    float t = lane < nw ? red[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// Unaligned little-endian reads from quantized blocks (GGUF blocks are only 2-byte aligned).
+__device__ __forceinline__ float ld_f16(const u8* p) {
+    return f16_to_f32((f16_t)(p[0] | (p[1] << 8)));
+}
+
+// Weight element types, numbered as the Rust side's `WType`.
+#define WT_F32 0
+#define WT_F16 1
+#define WT_BF16 2
+#define WT_Q4_0 3
+#define WT_Q4_1 4
+#define WT_Q8_0 5
+
+// Dequantizes the 32-element block `b` of a block-quantized type into `y`.
+__device__ __forceinline__ void dequant_block32(int wt, const u8* b, float* y) {
+    if (wt == WT_Q8_0) {
+        const float d = ld_f16(b);
+#pragma unroll
+        for (int j = 0; j < 32; j++) y[j] = d * (float)(i8)b[2 + j];
+    } else if (wt == WT_Q4_1) {
+        const float d = ld_f16(b), m = ld_f16(b + 2);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const u32 q = b[4 + j];
+            y[j] = d * (float)(q & 15u) + m;
+            y[j + 16] = d * (float)(q >> 4) + m;
+        }
+    } else {  // WT_Q4_0
+        const float d = ld_f16(b);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int q = b[2 + j];
+            y[j] = d * (float)((q & 15) - 8);
+            y[j + 16] = d * (float)((q >> 4) - 8);
+        }
+    }
+}
+
+__device__ __forceinline__ int block_bytes32(int wt) {
+    return wt == WT_Q8_0 ? 34 : (wt == WT_Q4_1 ? 20 : 18);
+}
+
+// Element `c` of row `r` of a weight as float (any type; slow path for odd shapes).
+__device__ __forceinline__ float weight_at(int wt, const u8* w, long row_bytes, long r, long c) {
+    const u8* row = w + r * row_bytes;
+    if (wt == WT_F32) return reinterpret_cast<const float*>(row)[c];
+    if (wt == WT_BF16) return bf16_to_f32(reinterpret_cast<const bf16_t*>(row)[c]);
+    if (wt == WT_F16) return f16_to_f32(reinterpret_cast<const f16_t*>(row)[c]);
+    const u8* b = row + (c >> 5) * block_bytes32(wt);
+    const int j = c & 31;
+    if (wt == WT_Q8_0) return ld_f16(b) * (float)(i8)b[2 + j];
+    const int off = wt == WT_Q4_1 ? 4 : 2;
+    const u32 q = j < 16 ? (b[off + j] & 15u) : (b[off + j - 16] >> 4);
+    if (wt == WT_Q4_1) return ld_f16(b) * (float)q + ld_f16(b + 2);
+    return ld_f16(b) * ((float)q - 8.0f);
+}

@@ -1,0 +1,146 @@
+// Matrix-vector products for a few tokens at a time (decode): y[t, r] = sum_c W[r, c] x[t, c]
+// for t < n <= GEMV_MAX_N. One warp per weight row, so each weight byte is read once for all
+// tokens. Up to three weights that share the input (Q/K/V, gate/up) run in one launch as
+// "segments": rows [0, m0) come from w0 into y0, the next m1 rows from w1 into y1, and so on.
+//
+// Float weights stream in 16-byte loads (four in flight per lane) when k is a multiple of 8;
+// block-quantized weights (Q4_0, Q4_1, Q8_0) are read one 32-element block per lane.
+
+#define GEMV_MAX_N 8
+#define GEMV_UNROLL 4
+
+// A 16-byte load that skips L1: weights are read once, the activations stay cached.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void f16x8_to_f32(uint4 v, float* out) {
+    out[0] = f16_to_f32((f16_t)(v.x & 0xffff)); out[1] = f16_to_f32((f16_t)(v.x >> 16));
+    out[2] = f16_to_f32((f16_t)(v.y & 0xffff)); out[3] = f16_to_f32((f16_t)(v.y >> 16));
+    out[4] = f16_to_f32((f16_t)(v.z & 0xffff)); out[5] = f16_to_f32((f16_t)(v.z >> 16));
+    out[6] = f16_to_f32((f16_t)(v.w & 0xffff)); out[7] = f16_to_f32((f16_t)(v.w >> 16));
+}
+
+template <typename T, int WT>
+__device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2,
+                          const T* x, int n, int k, long row_bytes) {
+    const int lane = threadIdx.x & 31;
+    const long grow = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const u8* w;
+    T* y;
+    long r, m;
+    if (grow < m0) {
+        w = w0; y = y0; r = grow; m = m0;
+    } else if (grow < (long)m0 + m1) {
+        w = w1; y = y1; r = grow - m0; m = m1;
+    } else if (grow < (long)m0 + m1 + m2) {
+        w = w2; y = y2; r = grow - m0 - m1; m = m2;
+    } else {
+        return;  // whole warp leaves together
+    }
+    const u8* wrow = w + r * row_bytes;
+    float acc[GEMV_MAX_N];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_N; t++) acc[t] = 0.0f;
+
+    if (WT == WT_Q4_0 || WT == WT_Q4_1 || WT == WT_Q8_0) {
+        const int nb = k >> 5;
+        for (int b = lane; b < nb; b += 32) {
+            float wf[32];
+            dequant_block32(WT, wrow + (long)b * block_bytes32(WT), wf);
+#pragma unroll
+            for (int t = 0; t < GEMV_MAX_N; t++) {
+                if (t < n) {
+                    const T* xp = x + (long)t * k + b * 32;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 32; j += 8) {
+                        float xf[8];
+                        act_load8(xp + j, xf);
+#pragma unroll
+                        for (int i = 0; i < 8; i++) s = fmaf(wf[j + i], xf[i], s);
+                    }
+                    acc[t] += s;
+                }
+            }
+        }
+    } else if ((k & 7) == 0) {
+        const int nch = k >> 3;  // chunks of 8 elements
+        const int cbytes = WT == WT_F32 ? 32 : 16;
+        for (int c0 = lane; c0 < nch; c0 += 32 * GEMV_UNROLL) {
+            uint4 raw[GEMV_UNROLL], raw2[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++) {
+                const int c = c0 + 32 * u;
+                if (c < nch) {
+                    raw[u] = ld_stream16(wrow + (long)c * cbytes);
+                    if (WT == WT_F32) raw2[u] = ld_stream16(wrow + (long)c * cbytes + 16);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++) {
+                const int c = c0 + 32 * u;
+                if (c < nch) {
+                    float wf[8];
+                    if (WT == WT_BF16) {
+                        bf16x8_to_f32(raw[u], wf);
+                    } else if (WT == WT_F16) {
+                        f16x8_to_f32(raw[u], wf);
+                    } else {
+                        wf[0] = __uint_as_float(raw[u].x); wf[1] = __uint_as_float(raw[u].y);
+                        wf[2] = __uint_as_float(raw[u].z); wf[3] = __uint_as_float(raw[u].w);
+                        wf[4] = __uint_as_float(raw2[u].x); wf[5] = __uint_as_float(raw2[u].y);
+                        wf[6] = __uint_as_float(raw2[u].z); wf[7] = __uint_as_float(raw2[u].w);
+                    }
+#pragma unroll
+                    for (int t = 0; t < GEMV_MAX_N; t++) {
+                        if (t < n) {
+                            float xf[8];
+                            act_load8(x + (long)t * k + (long)c * 8, xf);
+                            float s = acc[t];
+#pragma unroll
+                            for (int i = 0; i < 8; i++) s = fmaf(wf[i], xf[i], s);
+                            acc[t] = s;
+                        }
+                    }
+                }
+            }
+        }
+    } else {
+        for (int c = lane; c < k; c += 32) {
+            const float wv = weight_at(WT, wrow, 0, 0, c);
+#pragma unroll
+            for (int t = 0; t < GEMV_MAX_N; t++) {
+                if (t < n) acc[t] = fmaf(wv, act_load(x, (long)t * k + c), acc[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < GEMV_MAX_N; t++) {
+        if (t < n) {
+            const float s = warp_sum(acc[t]);
+            if (lane == 0) act_store(y, (long)t * m + r, s);
+        }
+    }
+}
+
+#define GEMV_WRAPPER(T, S, WT, WS)                                                                                  \
+    extern "C" __global__ void gemv_##WS##_##S(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2,      \
+                                               int m0, int m1, int m2, const T* x, int n, int k, long row_bytes) { \
+        gemv_impl<T, WT>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, n, k, row_bytes);                                  \
+    }
+
+#define GEMV_ALL(T, S)                   \
+    GEMV_WRAPPER(T, S, WT_F32, f32w)     \
+    GEMV_WRAPPER(T, S, WT_F16, f16w)     \
+    GEMV_WRAPPER(T, S, WT_BF16, bf16w)   \
+    GEMV_WRAPPER(T, S, WT_Q4_0, q4_0w)   \
+    GEMV_WRAPPER(T, S, WT_Q4_1, q4_1w)   \
+    GEMV_WRAPPER(T, S, WT_Q8_0, q8_0w)
+
+GEMV_ALL(float, f32)
+GEMV_ALL(bf16_t, bf16)

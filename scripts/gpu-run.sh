@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the device machine: unpacks what scripts/gpu-pack.sh left in dev-out/cuda/, finds the CUDA
+# libraries (NVRTC, cuBLAS) of the image, then runs what is asked:
+#
+#   scripts/gpu-run.sh tests              GPU kernel and model tests
+#   scripts/gpu-run.sh bench ARGS...      deepinfer bench ARGS... (add --device cuda)
+#   scripts/gpu-run.sh exec CMD...        any command with the libraries on the path
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin=/tmp/deepinfer-bin
+mkdir -p "$bin"
+for f in "$root"/dev-out/cuda/*.xz; do
+    out="$bin/$(basename "$f" .xz)"
+    [ -x "$out" ] || { xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"; chmod +x "$out"; }
+done
+# The driver's folder first (a CUDA "stubs" folder holds a fake libcuda.so), then the toolkit's.
+libdirs=$( (find / -xdev -name 'libcuda.so.1' -printf '%h\n' 2>/dev/null | grep -v stubs;
+    ls -d /usr/local/cuda/lib64 2>/dev/null;
+    find / -xdev \( -name 'libnvrtc.so*' -o -name 'libcublas.so*' \) -printf '%h\n' 2>/dev/null | grep -v stubs) | awk '!seen[$0]++' | tr '\n' ':')
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:-}"
+export PATH="$bin:$PATH"
+cd "$root"
+what="${1:-tests}"
+shift || true
+case "$what" in
+    tests)
+        status=0
+        for t in "$bin"/gpu_*; do "$t" --test-threads=1 --nocapture "$@" || status=1; done
+        exit $status ;;
+    bench) deepinfer bench "$@" ;;
+    exec) "$@" ;;
+    *) echo "unknown command $what" >&2; exit 2 ;;
+esac
