@@ -218,14 +218,11 @@ pub fn run(
         });
     }
     // Whatever did not finish (a worker died) fails now, and leaves the scheduler clean.
-    for i in 0..requests.len() {
+    for (i, p) in prepared.iter().enumerate() {
         let _ = scheduler.abort_request(request_id(base, i));
         if !sink.done[i] {
-            sink.fail(
-                i,
-                prepared[i].as_ref().ok(),
-                "the engine stopped before this request finished".into(),
-            );
+            let why = "the engine stopped before this request finished";
+            sink.fail(i, p.as_ref().ok(), why.into());
         }
     }
     sink.progress.finish();
