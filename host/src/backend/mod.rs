@@ -62,15 +62,34 @@ pub trait Backend: Send + Sync + 'static {
     /// `out[t] = table[tokens[t]]` (rows of `table.cols` floats).
     fn embed(&self, table: &Self::Weight, tokens: &[TokenId], out: &mut Self::Buf) -> Result<()>;
     /// `y[t, r] = sum_c W[r, c] x[t, c]`.
-    fn matmul(&self, w: &Self::Weight, x: &Self::Buf, n_tokens: usize, y: &mut Self::Buf) -> Result<()>;
+    fn matmul(
+        &self,
+        w: &Self::Weight,
+        x: &Self::Buf,
+        n_tokens: usize,
+        y: &mut Self::Buf,
+    ) -> Result<()>;
     /// Row-wise RMSNorm of `x` with gain `w` (a vector weight).
-    fn rms_norm(&self, x: &Self::Buf, w: &Self::Weight, eps: f32, out: &mut Self::Buf) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut Self::Buf, up: &Self::Buf) -> Result<()>;
     /// Rotates `x` (`[n_tokens, n_heads, head_dim]`) by each token's position.
-    fn rope(&self, step: &mut Self::Step, spec: RopeSpec, x: &mut Self::Buf, n_heads: usize, head_dim: usize) -> Result<()>;
+    fn rope(
+        &self,
+        step: &mut Self::Step,
+        spec: RopeSpec,
+        x: &mut Self::Buf,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
     /// Writes the step's K and V into their slots of `layer`, then attends every query token
     /// over its sequence's cached keys (causal, optional window), writing `out` (`q`'s shape).
     #[allow(clippy::too_many_arguments)]
@@ -86,7 +105,13 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
     ) -> Result<()>;
     /// Copies rows `rows` (each `width` floats) of `x` into `out`, in order.
-    fn gather_rows(&self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf) -> Result<()>;
+    fn gather_rows(
+        &self,
+        x: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Buf,
+    ) -> Result<()>;
     /// Copies a buffer to host memory.
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
 
@@ -145,7 +170,6 @@ pub mod select {
     }
 }
 
-
 /// Where a model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -176,6 +200,8 @@ impl std::str::FromStr for Device {
 impl Device {
     /// The CPU with every available core.
     pub fn cpu_all() -> Device {
-        Device::Cpu { threads: std::thread::available_parallelism().map_or(1, |n| n.get()) }
+        Device::Cpu {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }
     }
 }

@@ -95,7 +95,10 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
         .output()
         .with_context(|| format!("running peer `{cmd}`"))?;
     if !out.status.success() {
-        bail!("peer `{cmd}` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "peer `{cmd}` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let line = stdout
@@ -104,7 +107,9 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
         .find(|l| l.trim_start().starts_with('{'))
         .with_context(|| format!("peer `{cmd}` printed no JSON line"))?;
     let v: serde_json::Value = serde_json::from_str(line).context("peer output is not JSON")?;
-    let raw = v["raw_s"].as_array().context("peer output has no `raw_s` list")?;
+    let raw = v["raw_s"]
+        .as_array()
+        .context("peer output has no `raw_s` list")?;
     raw.iter()
         .map(|x| x.as_f64().context("`raw_s` holds a non-number"))
         .collect()
@@ -126,7 +131,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         return super::bench_offline::run(a.model.as_deref(), a.threads, a.repeats, o, &mut sink);
     }
     let device = match a.device {
-        Device::Cpu { .. } => Device::Cpu { threads: a.threads.max(1) },
+        Device::Cpu { .. } => Device::Cpu {
+            threads: a.threads.max(1),
+        },
         d => d,
     };
     let loaded = crate::model::random::load_cli_model(
@@ -141,15 +148,32 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let points: Vec<Point> = match &a.mode {
         BenchMode::Prefill { lengths } => lengths
             .iter()
-            .map(|&l| Point { mode: "prefill", batch: 1, prompt_len: l, new_tokens: 0 })
+            .map(|&l| Point {
+                mode: "prefill",
+                batch: 1,
+                prompt_len: l,
+                new_tokens: 0,
+            })
             .collect(),
-        BenchMode::Decode { batch, prompt_len, new_tokens } => batch
+        BenchMode::Decode {
+            batch,
+            prompt_len,
+            new_tokens,
+        } => batch
             .iter()
-            .map(|&b| Point { mode: "decode", batch: b, prompt_len: *prompt_len, new_tokens: *new_tokens })
+            .map(|&b| Point {
+                mode: "decode",
+                batch: b,
+                prompt_len: *prompt_len,
+                new_tokens: *new_tokens,
+            })
             .collect(),
         BenchMode::Offline(_) => Vec::new(),
     };
-    let model_name = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let model_name = path
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let commit = commit();
     let mut sink: Box<dyn Write> = match &a.output {
         Some(p) => Box::new(
@@ -165,7 +189,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     for p in &points {
         let ctx = p.prompt_len + p.new_tokens + 1;
         if ctx > model.config().context_len {
-            bail!("prompt {} + {} new tokens exceeds the model's context {}", p.prompt_len, p.new_tokens, model.config().context_len);
+            bail!(
+                "prompt {} + {} new tokens exceeds the model's context {}",
+                p.prompt_len,
+                p.new_tokens,
+                model.config().context_len
+            );
         }
         let ours_once = |seed: u64| -> anyhow::Result<Vec<f64>> {
             Ok(match p.mode {
@@ -181,7 +210,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
         let (mut ours, mut peer) = (Vec::new(), Vec::new());
         for r in 0..a.repeats {
-            eprintln!("deepinfer: {} batch {} len {}: repeat {}/{}", p.mode, p.batch, p.prompt_len, r + 1, a.repeats);
+            eprintln!(
+                "deepinfer: {} batch {} len {}: repeat {}/{}",
+                p.mode,
+                p.batch,
+                p.prompt_len,
+                r + 1,
+                a.repeats
+            );
             ours.extend(ours_once(r as u64)?);
             if let Some(cmd) = &a.peer {
                 peer.extend(run_peer(cmd, p, &path.to_string_lossy(), a.threads)?);
@@ -220,19 +256,35 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             rec.derive();
             writeln!(sink, "{}", serde_json::to_string(&rec)?)?;
             let rate = rec.prefill_tok_s.or(rec.tok_s_per_device).unwrap_or(0.0);
-            let spread = Summary::of(&rec.raw_s).map(|s| (s.min, s.max)).unwrap_or_default();
+            let spread = Summary::of(&rec.raw_s)
+                .map(|s| (s.min, s.max))
+                .unwrap_or_default();
             medians.push(rec.median_s);
             table.push(format!(
                 "{:<8} {:<10} {:>5} {:>6} {:>12.3} {:>10.1}  [{:.3}..{:.3}] ms",
-                p.mode, engine, p.batch, p.prompt_len, rec.median_s * 1e3, rate, spread.0 * 1e3, spread.1 * 1e3
+                p.mode,
+                engine,
+                p.batch,
+                p.prompt_len,
+                rec.median_s * 1e3,
+                rate,
+                spread.0 * 1e3,
+                spread.1 * 1e3
             ));
         }
         if medians.len() == 2 && medians[0] > 0.0 {
-            table.push(format!("{:<8} ratio deepinfer/peer speed = {:.2}x", p.mode, medians[1] / medians[0]));
+            table.push(format!(
+                "{:<8} ratio deepinfer/peer speed = {:.2}x",
+                p.mode,
+                medians[1] / medians[0]
+            ));
         }
     }
     sink.flush()?;
-    eprintln!("{:<8} {:<10} {:>5} {:>6} {:>12} {:>10}", "mode", "engine", "batch", "len", "median ms", "tok/s");
+    eprintln!(
+        "{:<8} {:<10} {:>5} {:>6} {:>12} {:>10}",
+        "mode", "engine", "batch", "len", "median ms", "tok/s"
+    );
     for l in table {
         eprintln!("{l}");
     }

@@ -8,10 +8,10 @@ pub mod fetch;
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_writer;
-pub mod tiny;
 pub mod hf;
 pub mod hparams;
 pub mod random;
+pub mod tiny;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
@@ -33,7 +33,10 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new<T: Send + 'static>(inner: T, block_size: usize) -> KvCache {
-        KvCache { inner: Box::new(inner), block_size }
+        KvCache {
+            inner: Box::new(inner),
+            block_size,
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -126,7 +129,10 @@ pub fn load(path: &Path, device: Device) -> Result<LoadedModel> {
             ),
         });
     }
-    let chat_template = ChatTemplate::for_tokenizer(g.get("tokenizer.chat_template").and_then(|v| v.as_str()), &tokenizer)?;
+    let chat_template = ChatTemplate::for_tokenizer(
+        g.get("tokenizer.chat_template").and_then(|v| v.as_str()),
+        &tokenizer,
+    )?;
     let model = arch::build(cfg, &g, device)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),

@@ -12,13 +12,21 @@ use crate::model::{CausalLm, WeightSource};
 pub const SUPPORTED: &[&str] = &["llama", "mistral"];
 
 /// Builds the model for `cfg.arch` from `src` on `device`.
-pub fn build(cfg: ModelConfig, src: &dyn WeightSource, device: Device) -> Result<Box<dyn CausalLm>> {
+pub fn build(
+    cfg: ModelConfig,
+    src: &dyn WeightSource,
+    device: Device,
+) -> Result<Box<dyn CausalLm>> {
     match device {
         Device::Cpu { threads } => build_on(cfg, src, CpuBackend::new(threads)),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             use crate::backend::cuda::{CudaBackend, CudaOptions};
-            build_on(cfg, src, CudaBackend::new(ordinal, CudaOptions::from_env()?)?)
+            build_on(
+                cfg,
+                src,
+                CudaBackend::new(ordinal, CudaOptions::from_env()?)?,
+            )
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(Error::BadConfig(
@@ -27,7 +35,11 @@ pub fn build(cfg: ModelConfig, src: &dyn WeightSource, device: Device) -> Result
     }
 }
 
-fn build_on<B: crate::backend::Backend>(cfg: ModelConfig, src: &dyn WeightSource, backend: B) -> Result<Box<dyn CausalLm>> {
+fn build_on<B: crate::backend::Backend>(
+    cfg: ModelConfig,
+    src: &dyn WeightSource,
+    backend: B,
+) -> Result<Box<dyn CausalLm>> {
     match cfg.arch.as_str() {
         "llama" | "mistral" => Ok(Box::new(llama::Llama::load(cfg, src, backend)?)),
         other => Err(unknown(other)),
