@@ -6,15 +6,16 @@ use std::time::Instant;
 
 use deepinfer::plugins::{CacheDir, ConstraintVocab, PluginEngine, PluginSource, WasmConstraint};
 
-const SCHEMA: &str = r#"{"type":"object","properties":{
+const SCHEMA: &str = r##"{"type":"object","properties":{
   "name":{"type":"string","maxLength":20},
   "age":{"type":"integer","minimum":0,"maximum":150},
   "tags":{"type":"array","items":{"enum":["a","b","c"]},"maxItems":4},
   "home":{"$ref":"#/$defs/addr"}},
   "required":["name","age","tags","home"],"additionalProperties":false,
   "$defs":{"addr":{"type":"object","properties":{"city":{"type":"string"},"zip":{"type":"string","pattern":"^[0-9]{5}$"}},
-  "required":["city","zip"],"additionalProperties":false}}}"#;
-const DOC: &str = r#"{"name":"Ada Lovelace","age":36,"tags":["a","c"],"home":{"city":"London","zip":"12345"}}"#;
+  "required":["city","zip"],"additionalProperties":false}}}"##;
+const DOC: &str =
+    r#"{"name":"Ada Lovelace","age":36,"tags":["a","c"],"home":{"city":"London","zip":"12345"}}"#;
 
 /// Printable bytes, then pseudo-random ASCII words of 2-8 bytes up to `size` tokens.
 fn vocab(size: usize) -> (Vec<Vec<u8>>, u32) {

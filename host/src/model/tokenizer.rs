@@ -31,6 +31,8 @@ pub struct Tokenizer {
     pub eos: Vec<TokenId>,
     pub add_bos: bool,
     vocab_size: usize,
+    /// Token strings are GPT-2 byte-level (each byte written as one printable char).
+    byte_level: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -59,12 +61,17 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let vocab_size = inner.get_vocab_size(true);
+        let byte_level = matches!(
+            inner.get_decoder(),
+            Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_))
+        );
         Ok(Tokenizer {
             inner,
             bos,
             eos,
             add_bos,
             vocab_size,
+            byte_level,
         })
     }
 
@@ -130,6 +137,7 @@ impl Tokenizer {
             eos: eos.into_iter().collect(),
             add_bos,
             vocab_size: tokens.len(),
+            byte_level: true,
         })
     }
 
@@ -163,17 +171,24 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
-    /// The raw bytes each token stands for (byte-level BPE decoded per token), for
-    /// constraint plugins that match bytes.
+    /// The raw bytes each token stands for, for constraint plugins that match bytes. A
+    /// byte-level BPE token (GPT-2 style) is mapped back char by char through the byte-to-unicode
+    /// table, so a token that holds half of a UTF-8 character gives exactly its bytes (decoding
+    /// it as text would give U+FFFD). A SentencePiece-style token maps `<0xHH>` to its byte and
+    /// `▁` to a space. Unknown ids give no bytes.
     pub fn token_bytes(&self, id: TokenId) -> Vec<u8> {
-        match self.inner.id_to_token(id) {
-            Some(s) => self
-                .inner
-                .decode(&[id], false)
-                .map(|d| d.into_bytes())
-                .unwrap_or_else(|_| s.into_bytes()),
-            None => Vec::new(),
+        let Some(s) = self.inner.id_to_token(id) else {
+            return Vec::new();
+        };
+        if self.byte_level {
+            if let Some(b) = byte_level_bytes(&s) {
+                return b;
+            }
         }
+        if let Some(b) = byte_fallback(&s) {
+            return vec![b];
+        }
+        s.replace('\u{2581}', " ").into_bytes()
     }
 
     /// Writes the tokenizer as an HF `tokenizer.json`.
@@ -186,6 +201,32 @@ impl Tokenizer {
     pub fn is_eos(&self, id: TokenId) -> bool {
         self.eos.contains(&id)
     }
+}
+
+/// GPT-2's byte-to-unicode table inverted: the byte each printable char of a byte-level token
+/// stands for. Bytes that are printable Latin-1 stand for themselves; the others (controls,
+/// space, 0x7F-0xA0, 0xAD) were shifted to U+0100 upwards in byte order.
+fn byte_level_bytes(token: &str) -> Option<Vec<u8>> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    token
+        .chars()
+        .map(|c| {
+            let c = c as u32;
+            if c < 256 && printable(c as u8) {
+                return Some(c as u8);
+            }
+            let k = c.checked_sub(256)?;
+            (0..=255u8).filter(|&b| !printable(b)).nth(k as usize)
+        })
+        .collect()
+}
+
+/// A SentencePiece byte-fallback token `<0xHH>`.
+fn byte_fallback(token: &str) -> Option<u8> {
+    let hex = token.strip_prefix("<0x")?.strip_suffix('>')?;
+    (hex.len() == 2)
+        .then(|| u8::from_str_radix(hex, 16).ok())
+        .flatten()
 }
 
 fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
@@ -215,4 +256,38 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
             )))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_tokens_give_their_true_bytes() {
+        assert_eq!(byte_level_bytes("Ġhello").unwrap(), b" hello");
+        assert_eq!(byte_level_bytes("ĊĉĠ").unwrap(), b"\n\t ");
+        // "é" is C3 A9; byte-level BPE writes it as "Ã©", and a token may hold only "Ã".
+        assert_eq!(byte_level_bytes("Ã©").unwrap(), "é".as_bytes());
+        assert_eq!(byte_level_bytes("Ã").unwrap(), [0xC3]);
+        assert_eq!(byte_level_bytes("ÿ").unwrap(), [0xFF]);
+        assert_eq!(byte_level_bytes("ġ").unwrap(), [0x7F]);
+        assert_eq!(byte_level_bytes("Ń").unwrap(), [0xAD]);
+        assert_eq!(byte_level_bytes("日"), None);
+        // Every byte has exactly one char, and the table is a bijection.
+        let mut seen = std::collections::HashSet::new();
+        for c in (33u32..127).chain(161..173).chain(174..256).chain(256..324) {
+            let b = byte_level_bytes(&char::from_u32(c).unwrap().to_string()).unwrap();
+            assert_eq!(b.len(), 1);
+            assert!(seen.insert(b[0]), "char U+{c:04X}");
+        }
+        assert_eq!(seen.len(), 256);
+    }
+
+    #[test]
+    fn sentencepiece_byte_tokens() {
+        assert_eq!(byte_fallback("<0x0A>"), Some(b'\n'));
+        assert_eq!(byte_fallback("<0xE3>"), Some(0xE3));
+        assert_eq!(byte_fallback("<0xZZ>"), None);
+        assert_eq!(byte_fallback("<0x0>"), None);
+    }
 }

@@ -39,7 +39,6 @@ fn manifest_lists_the_kinds() {
 }
 
 #[test]
-#[ignore = "llguidance calls std::time::Instant::now, which traps on wasm32-unknown-unknown; needs an `instant` shim (doc/structured-output.md)"]
 fn regex_matcher_masks_consumes_rolls_back() {
     let p = plugin();
     let m = p.matcher("regex", "[0-9]{2}x").unwrap();
@@ -61,7 +60,6 @@ fn regex_matcher_masks_consumes_rolls_back() {
 }
 
 #[test]
-#[ignore = "llguidance calls std::time::Instant::now, which traps on wasm32-unknown-unknown; needs an `instant` shim (doc/structured-output.md)"]
 fn bad_specs_are_bad_requests_naming_the_place() {
     let p = plugin();
     let e = p.matcher("json-schema", "{\"type\":").err().unwrap();
@@ -74,7 +72,6 @@ fn bad_specs_are_bad_requests_naming_the_place() {
 }
 
 #[test]
-#[ignore = "llguidance calls std::time::Instant::now, which traps on wasm32-unknown-unknown; needs an `instant` shim (doc/structured-output.md)"]
 fn json_matcher_accepts_a_valid_document() {
     let p = plugin();
     let schema = r#"{"type":"object","properties":{"n":{"type":"integer","minimum":0}},"required":["n"],"additionalProperties":false}"#;
