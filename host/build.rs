@@ -79,6 +79,7 @@ fn main() {
     let out_dir = PathBuf::from(env("OUT_DIR"));
 
     println!("cargo:rerun-if-changed=build.rs");
+    embed_git_commit(&root);
     for p in ["plugin-sdk/src", "plugin-sdk/wit", "plugin-sdk/Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
@@ -235,4 +236,34 @@ fn write_if_changed(path: &Path, bytes: &[u8]) {
         return;
     }
     std::fs::write(path, bytes).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+}
+
+/// Records the commit the binary is built from as `DEEPINFER_GIT_COMMIT`, so benchmark
+/// records name it wherever the binary later runs (empty outside a git checkout). Reruns when
+/// HEAD or the branch it names moves.
+fn embed_git_commit(root: &Path) {
+    let git = |args: &[&str]| -> Option<String> {
+        let out = Command::new("git")
+            .current_dir(root)
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_default();
+    println!("cargo:rustc-env=DEEPINFER_GIT_COMMIT={commit}");
+    let mut watched = vec![git(&["rev-parse", "--git-path", "HEAD"])];
+    if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+        watched.push(git(&["rev-parse", "--git-path", &branch]));
+        watched.push(git(&["rev-parse", "--git-path", "packed-refs"]));
+    }
+    for p in watched.into_iter().flatten() {
+        let p = root.join(p);
+        // A path that does not exist would make cargo rerun this script on every build.
+        if p.exists() {
+            println!("cargo:rerun-if-changed={}", p.display());
+        }
+    }
 }

@@ -92,6 +92,76 @@ fn bench_writes_records_and_plot_draws_them() {
 }
 
 #[test]
+fn prefill_sweeps_chunk_sizes_over_a_cached_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("prefill.jsonl");
+    let rec_s = rec.to_str().unwrap();
+    deepinfer(&[
+        "bench",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "2",
+        "--output",
+        rec_s,
+        "prefill",
+        "--lengths",
+        "48",
+        "--chunk-sizes",
+        "16,48",
+        "--cached-prefix",
+        "20",
+    ]);
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&rec)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("valid JSON"))
+        .collect();
+    assert_eq!(recs.len(), 2);
+    for (r, chunk) in recs.iter().zip([16, 48]) {
+        assert_eq!(r["chunk_size"], chunk);
+        // 20 rounds down to one whole 16-token block; the rate counts the 32 computed tokens.
+        assert_eq!(r["cached_prefix_len"], 16);
+        let rate = r["prefill_tok_s"].as_f64().unwrap();
+        let expect = 32.0 / r["median_s"].as_f64().unwrap();
+        assert!((rate - expect).abs() < 1e-6 * expect, "{rate} vs {expect}");
+    }
+    // The binary names the commit it was built from when built inside a git checkout.
+    let in_git = Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if in_git {
+        assert!(!recs[0]["commit"].as_str().unwrap().is_empty());
+    } else {
+        eprintln!("not built in a git checkout: the commit field is not checked");
+    }
+    // Two chunk sizes are two configurations: one plot refuses them, --compare draws both.
+    let plot = |compare: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_deepinfer"));
+        c.args(["plot", rec_s, "--out-dir"]).arg(dir.path());
+        if compare {
+            c.arg("--compare");
+        }
+        c.output().unwrap()
+    };
+    let refused = plot(false);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--compare"));
+    let drawn = plot(true);
+    assert!(
+        drawn.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drawn.stderr)
+    );
+    let svg = std::fs::read_to_string(dir.path().join("prefill.svg")).unwrap();
+    assert!(svg.contains("chunk 16") && svg.contains("chunk 48"));
+}
+
+#[test]
 fn eval_generates_and_scores_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let gen = dir.path().join("gen.jsonl");

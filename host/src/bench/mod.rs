@@ -8,4 +8,4 @@ pub mod record;
 pub mod runner;
 
 pub use record::{BenchRecord, Summary};
-pub use runner::{decode_steps, prefill_once};
+pub use runner::{decode_steps, prefill_once, PrefillBench, PrefillSpec};

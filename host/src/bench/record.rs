@@ -54,6 +54,9 @@ pub struct BenchRecord {
     /// Prompt tokens served from the prefix cache (not computed) per request.
     #[serde(default)]
     pub cached_prefix_len: usize,
+    /// Chunked prefill: tokens per forward pass (`None`: the whole prompt in one pass).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_size: Option<usize>,
     /// Speculative-decoding drafts, if any.
     #[serde(default)]
     pub drafts: DraftSpec,
@@ -126,7 +129,7 @@ impl BenchRecord {
     /// prompt length) and the results: records with different keys do not belong on one curve.
     pub fn config_key(&self) -> String {
         format!(
-            "{} | {} | {} | {} | threads {} | new {} | nextn {}{}",
+            "{} | {} | {} | {} | threads {} | new {} | nextn {}{}{}{}",
             self.mode,
             self.engine,
             self.model,
@@ -138,7 +141,13 @@ impl BenchRecord {
                 " (variable)"
             } else {
                 ""
-            }
+            },
+            match self.cached_prefix_len {
+                0 => String::new(),
+                n => format!(" | cached prefix {n}"),
+            },
+            self.chunk_size
+                .map_or(String::new(), |c| format!(" | chunk {c}")),
         )
     }
 }
@@ -167,6 +176,7 @@ mod tests {
             new_tokens: 4,
             warmup: 1,
             cached_prefix_len: 0,
+            chunk_size: None,
             drafts: DraftSpec::default(),
             commit: String::new(),
             timestamp: 0,
@@ -191,6 +201,28 @@ mod tests {
         assert!((r.tok_s_per_user.unwrap() - 47.5).abs() < 1e-9);
         assert!((r.tok_s_per_user_full_acceptance.unwrap() - 60.0).abs() < 1e-9);
         assert!((r.tok_s_per_device.unwrap() - 380.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn chunked_and_cached_prefix_points_are_their_own_configurations() {
+        let base: BenchRecord = serde_json::from_str(
+            r#"{"mode":"prefill","engine":"deepinfer","model":"m","device":"cpu","threads":2,"batch":1,
+                "prompt_len":512,"new_tokens":0,"warmup":1,"commit":"","raw_s":[0.5],"median_s":0}"#,
+        )
+        .unwrap();
+        let mut chunked = base.clone();
+        chunked.chunk_size = Some(128);
+        let mut cached = base.clone();
+        cached.cached_prefix_len = 256;
+        let keys = [base.config_key(), chunked.config_key(), cached.config_key()];
+        assert_ne!(keys[0], keys[1]);
+        assert_ne!(keys[0], keys[2]);
+        assert_ne!(keys[1], keys[2]);
+        // The chunk size survives a JSONL round trip; an unchunked record has no such field.
+        let line = serde_json::to_string(&chunked).unwrap();
+        let back: BenchRecord = serde_json::from_str(&line).unwrap();
+        assert_eq!(back.chunk_size, Some(128));
+        assert!(!serde_json::to_string(&base).unwrap().contains("chunk_size"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 
 use crate::backend::Device;
-use crate::bench::{decode_steps, prefill_once, BenchRecord, Summary};
+use crate::bench::{decode_steps, BenchRecord, PrefillBench, PrefillSpec, Summary};
 
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -45,11 +45,19 @@ pub struct BenchArgs {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum BenchMode {
-    /// Time the prefill of one prompt per length.
+    /// Time the prefill of one prompt per length (and per chunk size).
     Prefill {
-        /// Prompt lengths, comma-separated.
+        /// Prompt lengths, comma-separated (a cached prefix counts in the length).
         #[arg(long, value_delimiter = ',', default_value = "128,512")]
         lengths: Vec<usize>,
+        /// Chunked prefill: forward passes of at most this many tokens; comma-separated to
+        /// sweep (default: the whole prompt in one pass).
+        #[arg(long, value_delimiter = ',', value_name = "TOKENS")]
+        chunk_sizes: Vec<usize>,
+        /// Compute a shared prefix of this many tokens once (rounded down to whole KV
+        /// blocks), then time only each request's uncached suffix, as after a prefix-cache hit.
+        #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+        cached_prefix: usize,
     },
     /// Time decode steps after a prefill.
     Decode {
@@ -71,16 +79,24 @@ struct Point {
     batch: usize,
     prompt_len: usize,
     new_tokens: usize,
+    /// Prefill only: chunk size (`None`: one pass) and requested cached prefix.
+    chunk: Option<usize>,
+    cached_prefix: usize,
 }
 
+/// The commit the binary was built from; outside a checkout at build time, the current
+/// directory's HEAD if it is one.
 fn commit() -> String {
-    Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default()
+    match option_env!("DEEPINFER_GIT_COMMIT").unwrap_or_default() {
+        "" => Command::new("git")
+            .args(["rev-parse", "--short=12", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default(),
+        c => c.to_string(),
+    }
 }
 
 fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result<Vec<f64>> {
@@ -89,6 +105,11 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
         .env("DEEPINFER_BENCH_MODE", p.mode)
         .env("DEEPINFER_BENCH_MODEL", model)
         .env("DEEPINFER_BENCH_PROMPT_LEN", p.prompt_len.to_string())
+        .env("DEEPINFER_BENCH_CACHED_PREFIX", p.cached_prefix.to_string())
+        .env(
+            "DEEPINFER_BENCH_CHUNK",
+            p.chunk.map_or(String::new(), |c| c.to_string()),
+        )
         .env("DEEPINFER_BENCH_NEW_TOKENS", p.new_tokens.to_string())
         .env("DEEPINFER_BENCH_BATCH", p.batch.to_string())
         .env("DEEPINFER_BENCH_THREADS", threads.to_string())
@@ -146,15 +167,37 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let path = loaded.path.clone();
     let model = loaded.model.as_ref();
     let points: Vec<Point> = match &a.mode {
-        BenchMode::Prefill { lengths } => lengths
-            .iter()
-            .map(|&l| Point {
-                mode: "prefill",
-                batch: 1,
-                prompt_len: l,
-                new_tokens: 0,
-            })
-            .collect(),
+        BenchMode::Prefill {
+            lengths,
+            chunk_sizes,
+            cached_prefix,
+        } => {
+            if chunk_sizes.contains(&0) {
+                bail!("--chunk-sizes: a chunk must hold at least one token");
+            }
+            let chunks: Vec<Option<usize>> = if chunk_sizes.is_empty() {
+                vec![None]
+            } else {
+                chunk_sizes.iter().map(|&c| Some(c)).collect()
+            };
+            let mut v = Vec::new();
+            for &l in lengths {
+                if *cached_prefix >= l {
+                    bail!("--cached-prefix {cached_prefix} must be shorter than prompt length {l}");
+                }
+                for &chunk in &chunks {
+                    v.push(Point {
+                        mode: "prefill",
+                        batch: 1,
+                        prompt_len: l,
+                        new_tokens: 0,
+                        chunk,
+                        cached_prefix: *cached_prefix,
+                    });
+                }
+            }
+            v
+        }
         BenchMode::Decode {
             batch,
             prompt_len,
@@ -166,6 +209,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 batch: b,
                 prompt_len: *prompt_len,
                 new_tokens: *new_tokens,
+                chunk: None,
+                cached_prefix: 0,
             })
             .collect(),
         BenchMode::Offline(_) => Vec::new(),
@@ -196,10 +241,29 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 model.config().context_len
             );
         }
-        let ours_once = |seed: u64| -> anyhow::Result<Vec<f64>> {
-            Ok(match p.mode {
-                "prefill" => vec![prefill_once(model, p.prompt_len, seed)?],
-                _ => decode_steps(model, p.batch, p.prompt_len, p.new_tokens)?,
+        // Prefill points compute their cached prefix (if any) once, here, untimed.
+        let mut prefill = match p.mode {
+            "prefill" => Some(PrefillBench::new(
+                model,
+                PrefillSpec {
+                    len: p.prompt_len,
+                    cached_prefix: p.cached_prefix,
+                    chunk: p.chunk,
+                },
+            )?),
+            _ => None,
+        };
+        let cached_prefix_len = prefill.as_ref().map_or(0, |b| b.cached_prefix());
+        if cached_prefix_len != p.cached_prefix {
+            eprintln!(
+                "deepinfer: cached prefix {} rounded down to {cached_prefix_len} (whole KV blocks)",
+                p.cached_prefix
+            );
+        }
+        let mut ours_once = |seed: u64| -> anyhow::Result<Vec<f64>> {
+            Ok(match prefill.as_mut() {
+                Some(b) => vec![b.run(seed)?],
+                None => decode_steps(model, p.batch, p.prompt_len, p.new_tokens)?,
             })
         };
         for w in 0..a.warmup {
@@ -211,10 +275,11 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let (mut ours, mut peer) = (Vec::new(), Vec::new());
         for r in 0..a.repeats {
             eprintln!(
-                "deepinfer: {} batch {} len {}: repeat {}/{}",
+                "deepinfer: {} batch {} len {}{}: repeat {}/{}",
                 p.mode,
                 p.batch,
                 p.prompt_len,
+                p.chunk.map_or(String::new(), |c| format!(" chunk {c}")),
                 r + 1,
                 a.repeats
             );
@@ -239,7 +304,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 prompt_len: p.prompt_len,
                 new_tokens: p.new_tokens,
                 warmup: a.warmup,
-                cached_prefix_len: 0,
+                cached_prefix_len,
+                chunk_size: p.chunk,
                 drafts: Default::default(),
                 commit: commit.clone(),
                 timestamp: std::time::SystemTime::now()
@@ -261,11 +327,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 .unwrap_or_default();
             medians.push(rec.median_s);
             table.push(format!(
-                "{:<8} {:<10} {:>5} {:>6} {:>12.3} {:>10.1}  [{:.3}..{:.3}] ms",
+                "{:<8} {:<10} {:>5} {:>6} {:>6} {:>6} {:>12.3} {:>10.1}  [{:.3}..{:.3}] ms",
                 p.mode,
                 engine,
                 p.batch,
                 p.prompt_len,
+                cached_prefix_len,
+                p.chunk.map_or("-".to_string(), |c| c.to_string()),
                 rec.median_s * 1e3,
                 rate,
                 spread.0 * 1e3,
@@ -282,8 +350,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     }
     sink.flush()?;
     eprintln!(
-        "{:<8} {:<10} {:>5} {:>6} {:>12} {:>10}",
-        "mode", "engine", "batch", "len", "median ms", "tok/s"
+        "{:<8} {:<10} {:>5} {:>6} {:>6} {:>6} {:>12} {:>10}",
+        "mode", "engine", "batch", "len", "cached", "chunk", "median ms", "tok/s"
     );
     for l in table {
         eprintln!("{l}");
