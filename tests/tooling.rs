@@ -216,3 +216,33 @@ fn perplexity_of_english_is_plausible() {
     // a 135M model on plain English: far better than uniform (49,152) and not absurdly low
     assert!(ppl > 1.5 && ppl < 200.0, "ppl {ppl}");
 }
+
+#[test]
+fn chat_text_output_prints_the_answer_not_the_template() {
+    let question = "What is the capital of Italy?";
+    let chat = deepinfer(&[
+        "generate",
+        "--chat",
+        "--prompt",
+        question,
+        "--max-tokens",
+        "3",
+        "--no-progress",
+    ]);
+    let text = String::from_utf8_lossy(&chat.stdout);
+    assert!(!text.trim().is_empty(), "no answer printed");
+    assert!(
+        !text.contains("im_start") && !text.contains(question),
+        "the templated prompt was echoed: {text:?}"
+    );
+    // A plain text prompt still reads on from the prompt.
+    let plain = deepinfer(&[
+        "generate",
+        "--prompt",
+        question,
+        "--max-tokens",
+        "1",
+        "--no-progress",
+    ]);
+    assert!(String::from_utf8_lossy(&plain.stdout).starts_with(question));
+}

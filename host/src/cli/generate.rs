@@ -269,7 +269,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         return Err(e).context("writing output");
     }
     if a.output == "text" {
-        print_text(&outputs)?;
+        print_text(&outputs, !a.chat)?;
     }
     if let Some(s) = llm.last_summary() {
         eprintln!("deepinfer: {s}");
@@ -284,25 +284,23 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_text(outputs: &[RequestOutput]) -> anyhow::Result<()> {
+/// Text output: each completion, after its prompt when `echo_prompt` (plain text prompts read
+/// on; a chat prompt's template is not worth repeating, so chat runs print only the answer).
+fn print_text(outputs: &[RequestOutput], echo_prompt: bool) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     let multi = outputs.len() > 1;
     for o in outputs {
+        let prompt = if echo_prompt {
+            o.prompt.as_deref().unwrap_or("")
+        } else {
+            ""
+        };
         if multi {
-            writeln!(out, "--- [{}] {}", o.id, o.prompt.as_deref().unwrap_or(""))?;
+            writeln!(out, "--- [{}] {prompt}", o.id)?;
         }
         match &o.error {
             Some(e) => writeln!(out, "error: {e}")?,
-            None => writeln!(
-                out,
-                "{}{}",
-                if multi {
-                    ""
-                } else {
-                    o.prompt.as_deref().unwrap_or("")
-                },
-                o.text
-            )?,
+            None => writeln!(out, "{}{}", if multi { "" } else { prompt }, o.text)?,
         }
         for s in &o.samples {
             writeln!(out, "--- [{}] sample {}\n{}", o.id, s.sample, s.text)?;
