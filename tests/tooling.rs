@@ -20,43 +20,43 @@ fn deepinfer(args: &[&str]) -> std::process::Output {
     out
 }
 
+/// `deepinfer bench` with `repeats` measured repeats, no warm-up, 2 threads, records appended
+/// to `out`, then the mode and its arguments.
+fn bench(repeats: &str, out: &str, mode: &[&str]) {
+    let mut args = vec![
+        "bench",
+        "--repeats",
+        repeats,
+        "--warmup",
+        "0",
+        "--threads",
+        "2",
+        "--output",
+        out,
+    ];
+    args.extend_from_slice(mode);
+    deepinfer(&args);
+}
+
 #[test]
 fn bench_writes_records_and_plot_draws_them() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("bench.jsonl");
     let rec_s = rec.to_str().unwrap();
-    deepinfer(&[
-        "bench",
-        "--repeats",
-        "2",
-        "--warmup",
-        "0",
-        "--threads",
-        "2",
-        "--output",
-        rec_s,
-        "prefill",
-        "--lengths",
-        "16,48",
-    ]);
-    deepinfer(&[
-        "bench",
-        "--repeats",
+    bench("2", rec_s, &["prefill", "--lengths", "16,48"]);
+    bench(
         "1",
-        "--warmup",
-        "0",
-        "--threads",
-        "2",
-        "--output",
         rec_s,
-        "decode",
-        "--batch",
-        "1,4",
-        "--prompt-len",
-        "8",
-        "--new-tokens",
-        "4",
-    ]);
+        &[
+            "decode",
+            "--batch",
+            "1,4",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+        ],
+    );
     let text = std::fs::read_to_string(&rec).unwrap();
     let recs: Vec<serde_json::Value> = text
         .lines()
@@ -96,24 +96,19 @@ fn prefill_sweeps_chunk_sizes_over_a_cached_prefix() {
     let dir = tempfile::tempdir().unwrap();
     let rec = dir.path().join("prefill.jsonl");
     let rec_s = rec.to_str().unwrap();
-    deepinfer(&[
-        "bench",
-        "--repeats",
+    bench(
         "1",
-        "--warmup",
-        "0",
-        "--threads",
-        "2",
-        "--output",
         rec_s,
-        "prefill",
-        "--lengths",
-        "48",
-        "--chunk-sizes",
-        "16,48",
-        "--cached-prefix",
-        "20",
-    ]);
+        &[
+            "prefill",
+            "--lengths",
+            "48",
+            "--chunk-sizes",
+            "16,48",
+            "--cached-prefix",
+            "20",
+        ],
+    );
     let recs: Vec<serde_json::Value> = std::fs::read_to_string(&rec)
         .unwrap()
         .lines()

@@ -136,19 +136,24 @@ fn run_peer(cmd: &str, p: &Point, model: &str, threads: usize) -> anyhow::Result
         .collect()
 }
 
+/// Where records go: appended to `--output`, or printed.
+fn open_sink(output: &Option<PathBuf>) -> anyhow::Result<Box<dyn Write>> {
+    Ok(match output {
+        Some(p) => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    })
+}
+
 /// Runs `deepinfer bench`.
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if let BenchMode::Offline(o) = &a.mode {
-        let mut sink: Box<dyn Write> = match &a.output {
-            Some(p) => Box::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .with_context(|| format!("opening {}", p.display()))?,
-            ),
-            None => Box::new(std::io::stdout()),
-        };
+        let mut sink = open_sink(&a.output)?;
         return super::bench_offline::run(a.model.as_deref(), a.threads, a.repeats, o, &mut sink);
     }
     let device = match a.device {
@@ -220,16 +225,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
     let commit = commit();
-    let mut sink: Box<dyn Write> = match &a.output {
-        Some(p) => Box::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("opening {}", p.display()))?,
-        ),
-        None => Box::new(std::io::stdout()),
-    };
+    let mut sink = open_sink(&a.output)?;
     let mut table = Vec::new();
     for p in &points {
         let ctx = p.prompt_len + p.new_tokens + 1;
