@@ -5,7 +5,7 @@
 //! that caused it, the instance is rebuilt, and each other matcher is rebuilt on its next call
 //! by recompiling its grammar and replaying its accepted tokens. It holds no policy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use wasmtime::component::{HasSelf, Linker, ResourceAny};
@@ -90,10 +90,16 @@ struct Slot {
     handle: Option<(u64, ResourceAny)>,
 }
 
+/// Compiled grammars kept per instance; past this the oldest is dropped (a matcher made from
+/// it keeps working; a rebuild recompiles it).
+const MAX_GRAMMARS: usize = 32;
+
 struct Inner {
     inst: Instance,
     generation: u64,
     grammars: HashMap<(String, String), ResourceAny>,
+    /// Keys of `grammars`, oldest first.
+    grammar_order: VecDeque<(String, String)>,
     slots: HashMap<u64, Slot>,
     next_id: u64,
 }
@@ -177,6 +183,7 @@ impl WasmConstraint {
                 inst,
                 generation: 0,
                 grammars: HashMap::new(),
+                grammar_order: VecDeque::new(),
                 slots: HashMap::new(),
                 next_id: 0,
             }),
@@ -262,7 +269,15 @@ impl WasmConstraint {
                             .call_compile(s, kind, spec)
                     })?
                     .map_err(|e| Error::BadRequest(format!("{kind} constraint: {e}")))?;
+                if inner.grammars.len() >= MAX_GRAMMARS {
+                    if let Some(old) = inner.grammar_order.pop_front() {
+                        if let Some(h) = inner.grammars.remove(&old) {
+                            let _ = h.resource_drop(&mut inner.inst.store);
+                        }
+                    }
+                }
                 inner.grammars.insert(key.clone(), g);
+                inner.grammar_order.push_back(key.clone());
                 g
             }
         };
@@ -317,6 +332,7 @@ impl WasmConstraint {
                 inner.inst = fresh;
                 inner.generation += 1;
                 inner.grammars.clear();
+                inner.grammar_order.clear();
                 Err(self.plugin_err(reason))
             }
         }
