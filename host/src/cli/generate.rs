@@ -2,7 +2,9 @@
 //! from built-in defaults, then `--config FILE` (TOML: `[model]`, `[sampler]`,
 //! `[plugins.NAME]`), then flags given explicitly; a `--prompts-file` line overrides them
 //! for its own request. `--output FILE` writes each result as it completes and continues an
-//! existing file, skipping ids it already holds.
+//! existing file, skipping ids it already holds. Structured output (`--json-schema`,
+//! `--regex`, `--grammar`, `--choice`, or a line's own field) is compiled for every request
+//! before anything is generated; a bad spec stops the run with a message naming it.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -17,7 +19,7 @@ use crate::backend::Device;
 use crate::config::Config;
 use crate::kv_cache::KvBudget;
 use crate::model::chat::Message;
-use crate::runtime::{EngineOptions, Llm, PromptInput, Request, RequestOutput};
+use crate::runtime::{Constraint, EngineOptions, Llm, PromptInput, Request, RequestOutput};
 use crate::sampling::{BatchSampler, NativeSampler};
 
 #[derive(Debug, clap::Args)]
@@ -35,7 +37,9 @@ pub struct GenerateArgs {
     pub prompt: Vec<String>,
     /// A JSONL file, one request a line: {"id", "prompt" | "messages" | "prompt_token_ids",
     /// and optional per-request fields: "max_tokens", "temperature", "top_k", "top_p",
-    /// "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", penalties}.
+    /// "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n", penalties, and at most
+    /// one constraint: "json_schema" (object or text), "regex", "grammar" (Lark text),
+    /// "choice" (array or comma-separated)}.
     #[arg(long, value_name = "FILE")]
     pub prompts_file: Option<PathBuf>,
     /// Wrap each text prompt as a user turn with the model's chat template.
@@ -104,6 +108,23 @@ pub struct GenerateArgs {
     /// Compute threads (default: the config's, else all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Structured output: every output is JSON valid under this JSON Schema file (draft
+    /// 2020-12 keywords; compact JSON). Applies to requests whose line sets no constraint.
+    #[arg(long, value_name = "FILE", group = "constraint_flag")]
+    pub json_schema: Option<PathBuf>,
+    /// Structured output: every output fully matches this regular expression.
+    #[arg(long, value_name = "RE", group = "constraint_flag")]
+    pub regex: Option<String>,
+    /// Structured output: every output is a sentence of this Lark-style EBNF grammar file
+    /// (start rule `start`).
+    #[arg(long, value_name = "FILE", group = "constraint_flag")]
+    pub grammar: Option<PathBuf>,
+    /// Structured output: every output is exactly one of these comma-separated strings.
+    #[arg(long, value_name = "A,B,C", group = "constraint_flag")]
+    pub choice: Option<String>,
+    /// The constraint plugin: a `[plugins.NAME]` table of the config or a builtin.
+    #[arg(long, value_name = "NAME", default_value = "grammar")]
+    pub constraint_plugin: String,
     /// Where to run: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
@@ -156,6 +177,72 @@ fn engine_options(a: &GenerateArgs) -> EngineOptions {
     }
 }
 
+/// The constraint the flags give, with the flag that gave it (for messages).
+fn flag_constraint(a: &GenerateArgs) -> anyhow::Result<Option<(Constraint, String)>> {
+    let read = |p: &PathBuf| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    Ok(if let Some(p) = &a.json_schema {
+        let c = Constraint::json_schema(read(p)?);
+        Some((c, format!("--json-schema {}", p.display())))
+    } else if let Some(p) = &a.grammar {
+        Some((
+            Constraint::lark(read(p)?),
+            format!("--grammar {}", p.display()),
+        ))
+    } else if let Some(r) = &a.regex {
+        Some((Constraint::regex(r.clone()), "--regex".to_string()))
+    } else {
+        a.choice
+            .as_ref()
+            .map(|c| (Constraint::new("choice", c.clone()), "--choice".to_string()))
+    })
+}
+
+/// Loads the constraint plugin (when a request needs one) and compiles every request's
+/// constraint before anything runs; the first bad one stops the run, named.
+fn check_constraints(
+    a: &GenerateArgs,
+    config: &Config,
+    llm: &Llm,
+    requests: &[Request],
+    flag: Option<&(Constraint, String)>,
+) -> anyhow::Result<()> {
+    if requests.iter().all(|r| r.constraint.is_none()) {
+        return Ok(());
+    }
+    let source = crate::plugins::PluginSource::from_config(config, &a.constraint_plugin)?;
+    let mut source = source;
+    if !config.plugins.contains_key(&a.constraint_plugin) {
+        source.limits.memory_mib = source.limits.memory_mib.max(256);
+    }
+    let engine = crate::plugins::PluginEngine::new(&crate::plugins::CacheDir::Default)?;
+    let plugin = crate::plugins::WasmConstraint::load(engine, &source, &llm.constraint_vocab())
+        .context("loading the constraint plugin")?;
+    llm.set_constraint_plugin(plugin)?;
+    let mut checked = HashSet::new();
+    for r in requests {
+        let Some(c) = &r.constraint else { continue };
+        if !checked.insert((c.kind.as_str(), c.spec.as_str())) {
+            continue;
+        }
+        if let Err(e) = llm.check_constraint(c) {
+            let place = match flag {
+                Some((f, name)) if f == c => name.clone(),
+                _ => format!("request {:?} of {}", r.id, prompts_name(a)),
+            };
+            bail!("{place}: {e}");
+        }
+    }
+    Ok(())
+}
+
+fn prompts_name(a: &GenerateArgs) -> String {
+    a.prompts_file
+        .as_ref()
+        .map_or_else(|| "the prompts".to_string(), |p| p.display().to_string())
+}
+
 /// Requests from `--prompt` flags, then the prompts file; ids must be unique.
 fn collect_requests(a: &GenerateArgs, config: &Config) -> anyhow::Result<Vec<Request>> {
     let params = config
@@ -201,6 +288,12 @@ fn collect_requests(a: &GenerateArgs, config: &Config) -> anyhow::Result<Vec<Req
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     let config = resolve_config(&a)?;
     let mut requests = collect_requests(&a, &config)?;
+    let flag = flag_constraint(&a)?;
+    if let Some((c, _)) = &flag {
+        for r in requests.iter_mut().filter(|r| r.constraint.is_none()) {
+            r.constraint = Some(c.clone());
+        }
+    }
     if a.n == 0 {
         bail!("--n must be at least 1");
     }
@@ -243,6 +336,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     )
     .context("loading the model")?;
     let llm = Llm::new(loaded, sampler, engine_options(&a)).context("starting the engine")?;
+    check_constraints(&a, &config, &llm, &requests, flag.as_ref())?;
 
     let jsonl_stdout = a.output == "jsonl";
     let stdout = std::io::stdout();

@@ -1,6 +1,7 @@
 //! The `--prompts-file` format of `deepinfer generate`: one JSON request a line, with an id,
 //! exactly one of `prompt` / `messages` / `prompt_token_ids`, and optional per-request
-//! sampling fields that override the run's defaults. Parsing only; nothing runs here.
+//! sampling fields that override the run's defaults, and at most one structured-output
+//! constraint (`json_schema`, `regex`, `grammar`, `choice`). Parsing only; nothing runs here.
 
 use std::io::BufRead;
 use std::path::Path;
@@ -10,7 +11,7 @@ use serde::Deserialize;
 
 use crate::ids::TokenId;
 use crate::model::chat::Message;
-use crate::runtime::{PromptInput, Request};
+use crate::runtime::{Constraint, PromptInput, Request};
 use crate::sampling::SamplingParams;
 
 /// One line of a `--prompts-file`.
@@ -34,6 +35,49 @@ struct PromptLine {
     ignore_eos: Option<bool>,
     stop_token_ids: Option<Vec<TokenId>>,
     n: Option<u32>,
+    /// A JSON Schema: an object, or its text.
+    json_schema: Option<serde_json::Value>,
+    /// A regular expression the whole output must match.
+    regex: Option<String>,
+    /// A Lark-style EBNF grammar (start rule `start`).
+    grammar: Option<String>,
+    /// One of these strings: an array, or comma-separated text.
+    choice: Option<serde_json::Value>,
+}
+
+impl PromptLine {
+    /// The line's constraint, if it gives one (two are an error).
+    fn constraint(&mut self) -> Result<Option<Constraint>, String> {
+        let mut found = Vec::new();
+        if let Some(v) = self.json_schema.take() {
+            let text = match v {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            found.push(Constraint::json_schema(text));
+        }
+        if let Some(r) = self.regex.take() {
+            found.push(Constraint::regex(r));
+        }
+        if let Some(g) = self.grammar.take() {
+            found.push(Constraint::lark(g));
+        }
+        if let Some(v) = self.choice.take() {
+            found.push(match v {
+                serde_json::Value::String(s) => Constraint::new("choice", s),
+                v @ serde_json::Value::Array(_) => Constraint::new("choice", v.to_string()),
+                _ => {
+                    return Err(
+                        "`choice` must be an array of strings or comma-separated text".into(),
+                    )
+                }
+            });
+        }
+        if found.len() > 1 {
+            return Err("give at most one of `json_schema`, `regex`, `grammar` or `choice`".into());
+        }
+        Ok(found.pop())
+    }
 }
 
 /// Run-wide defaults a line starts from.
@@ -67,8 +111,11 @@ pub fn read_prompts_file(
             continue;
         }
         let at = || format!("{}:{}", path.display(), n + 1);
-        let l: PromptLine = serde_json::from_str(&line)
+        let mut l: PromptLine = serde_json::from_str(&line)
             .with_context(|| format!("{}: not a valid request line", at()))?;
+        let constraint = l
+            .constraint()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
         let prompt = match (l.prompt, l.messages, l.prompt_token_ids) {
             (Some(p), None, None) if d.chat => PromptInput::Chat(vec![Message {
                 role: "user".into(),
@@ -108,6 +155,7 @@ pub fn read_prompts_file(
         let mut req = Request::new(id, prompt, p);
         req.n = l.n.unwrap_or(d.n);
         req.stop_token_ids = l.stop_token_ids.unwrap_or_default();
+        req.constraint = constraint;
         if req.n == 0 {
             bail!("{}: n must be at least 1", at());
         }
@@ -156,5 +204,42 @@ mod tests {
         std::fs::write(&path, "{\"prompt\": \"a\", \"top_p\": 3.0}\n").unwrap();
         let e = format!("{:#}", read_prompts_file(&path, &d, 0).unwrap_err());
         assert!(e.contains("top_p"), "{e}");
+    }
+
+    #[test]
+    fn lines_carry_one_constraint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.jsonl");
+        std::fs::write(
+            &path,
+            concat!(
+                "{\"prompt\": \"a\", \"json_schema\": {\"type\": \"integer\"}}\n",
+                "{\"prompt\": \"b\", \"regex\": \"[0-9]+\"}\n",
+                "{\"prompt\": \"c\", \"choice\": [\"x\", \"y\"]}\n",
+                "{\"prompt\": \"d\", \"grammar\": \"start: \\\"a\\\"\"}\n",
+                "{\"prompt\": \"e\"}\n",
+            ),
+        )
+        .unwrap();
+        let params = SamplingParams::default();
+        let d = LineDefaults {
+            params: &params,
+            n: 1,
+            chat: false,
+        };
+        let reqs = read_prompts_file(&path, &d, 0).unwrap();
+        let c: Vec<_> = reqs.iter().map(|r| r.constraint.clone()).collect();
+        assert_eq!(c[0], Some(Constraint::json_schema(r#"{"type":"integer"}"#)));
+        assert_eq!(c[1], Some(Constraint::regex("[0-9]+")));
+        assert_eq!(c[2], Some(Constraint::choice(&["x", "y"])));
+        assert_eq!(c[3], Some(Constraint::lark("start: \"a\"")));
+        assert_eq!(c[4], None);
+        std::fs::write(
+            &path,
+            "{\"prompt\": \"a\", \"regex\": \"a\", \"choice\": \"a,b\"}\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", read_prompts_file(&path, &d, 0).unwrap_err());
+        assert!(e.contains("c.jsonl:1") && e.contains("at most one"), "{e}");
     }
 }

@@ -198,6 +198,16 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
     }
 
+    /// Ids of the special (control) tokens, ascending.
+    pub fn special_ids(&self) -> Vec<TokenId> {
+        let mut ids: Vec<TokenId> = (self.inner.get_added_tokens_decoder().iter())
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     pub fn is_eos(&self, id: TokenId) -> bool {
         self.eos.contains(&id)
     }

@@ -10,15 +10,18 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::constraint_stage::run_constraint_worker;
 use super::executor::{run_executor, ExecutorIo};
 use super::messages::{EngineEvent, OutputMsg, StepDone};
 use super::output_stage::{run_output_stage, OutputIo, OutputSpec};
 use super::progress::Progress;
 use super::request::{Request, RequestOutput, StreamEvent};
-use super::sample_stage::{request_id, run_sampler, SamplerIo, SeqSettings};
+use super::sample_stage::{request_id, run_sampler, ConstraintLink, SamplerIo, SeqSettings};
 use super::stats::{RunSummary, StepStats};
 use crate::ids::{RequestId, TokenId};
+use crate::kv_cache::SeqId;
 use crate::model::{KvCache, LoadedModel};
+use crate::plugins::Matcher;
 use crate::sampling::BatchSampler;
 use crate::scheduler::{
     FinishReason as SchedFinish, FinishedSeq, NewRequest, Scheduler, SchedulerOutput, StopCondition,
@@ -38,6 +41,9 @@ pub struct Prepared {
     pub text: Option<String>,
     pub ids: Vec<TokenId>,
     pub seed: u64,
+    /// One matcher per sample of a constrained request, made at admission; the run moves
+    /// them to the constraint worker.
+    pub matchers: std::sync::Mutex<Vec<Matcher>>,
 }
 
 /// Borrowed pieces a run needs.
@@ -156,9 +162,29 @@ pub fn run(
             .zip(prepared)
             .map(|(r, p)| (&r.params, p.as_ref().map_or(0, |p| p.seed)))
             .collect(),
+        constrained: Vec::new(),
     };
     let vocab = ctx.model.model.config().vocab;
     let model = ctx.model.model.as_ref();
+    let mut matchers: Vec<(SeqId, Matcher)> = Vec::new();
+    let mut constrained = vec![false; requests.len()];
+    for (i, p) in prepared.iter().enumerate() {
+        let Ok(p) = p else { continue };
+        let mine = std::mem::take(&mut *p.matchers.lock().unwrap_or_else(|e| e.into_inner()));
+        constrained[i] = !mine.is_empty();
+        for (j, m) in mine.into_iter().enumerate() {
+            let seq = SeqId {
+                request: request_id(base, i),
+                sample: j as u32,
+            };
+            matchers.push((seq, m));
+        }
+    }
+    let settings = SeqSettings {
+        constrained,
+        ..settings
+    };
+    let eos = tokenizer.eos.clone();
     let depth = if ctx.async_scheduling { 2 } else { 1 };
     let EngineCore { scheduler, kv, .. } = core;
     if live > 0 {
@@ -169,6 +195,19 @@ pub fn run(
             let (ev_tx, ev_rx) = mpsc::channel();
             let (out_tx, out_rx) = mpsc::channel();
             let ev_tx2 = ev_tx.clone();
+            let (cons_tx, cons_rx) = mpsc::channel();
+            let (mask_tx, mask_rx) = mpsc::channel();
+            let constraints = (!matchers.is_empty()).then_some(ConstraintLink {
+                to_worker: cons_tx,
+                answers: mask_rx,
+            });
+            let worker_ok = matchers.is_empty()
+                || std::thread::Builder::new()
+                    .name("deepinfer-constraint".into())
+                    .spawn_scoped(s, move || {
+                        run_constraint_worker(matchers, eos, cons_rx, mask_tx)
+                    })
+                    .is_ok();
             let kv: &mut KvCache = kv;
             let exec_io = ExecutorIo {
                 plans: plan_rx,
@@ -179,6 +218,7 @@ pub fn run(
                 jobs: job_rx,
                 to_executor: tok_tx,
                 to_engine: ev_tx2,
+                constraints,
             };
             let out_io = OutputIo {
                 inbox: out_rx,
@@ -203,7 +243,7 @@ pub fn run(
                     })
                     .is_ok(),
             ];
-            if spawned.iter().all(|&ok| ok) {
+            if worker_ok && spawned.iter().all(|&ok| ok) {
                 drive(
                     scheduler,
                     Channels {

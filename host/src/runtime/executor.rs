@@ -74,6 +74,9 @@ pub fn run_executor(model: &dyn CausalLm, kv: &mut KvCache, io: ExecutorIo) {
             wait_plan_s,
             wait_sample_s,
             sample_s: 0.0,
+            mask_wait_s: 0.0,
+            mask_s: 0.0,
+            constrained_rows: 0,
             num_tokens: batch.tokens.len(),
             num_seqs: out.seqs.len(),
             decode_only: ran

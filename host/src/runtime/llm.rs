@@ -20,17 +20,20 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use super::engine::{self, EngineCore, Prepared, RunContext};
 use super::options::{EngineOptions, ResolvedSizes};
-use super::request::{PromptInput, Request, RequestOutput, StreamEvent};
+use super::request::{Constraint, PromptInput, Request, RequestOutput, StreamEvent};
 use super::sample_stage::mix;
 use super::stats::RunSummary;
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 use crate::kv_cache::{KvCacheConfig, KvCacheManager, KvCacheStats};
 use crate::model::LoadedModel;
+use crate::plugins::{
+    CacheDir, ConstraintVocab, Matcher, PluginEngine, PluginSource, WasmConstraint,
+};
 use crate::sampling::{BatchSampler, SamplingParams};
 use crate::scheduler::Scheduler;
 
@@ -43,7 +46,14 @@ pub struct Llm {
     /// Scheduler, KV manager and KV storage; one run at a time holds it.
     core: Mutex<EngineCore>,
     last_summary: Mutex<Option<RunSummary>>,
+    /// The constraint plugin (structured output): set with [`Llm::set_constraint_plugin`],
+    /// else the builtin `grammar`, loaded when the first constrained request comes.
+    constraints: OnceLock<std::result::Result<Arc<WasmConstraint>, String>>,
 }
+
+/// Linear memory of the builtin `grammar` plugin when loaded by default: its token index over
+/// a 49K-152K vocabulary plus parser state.
+const DEFAULT_GRAMMAR_MEMORY_MIB: u32 = 256;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -83,7 +93,73 @@ impl Llm {
                 next_request: 0,
             }),
             last_summary: Mutex::new(None),
+            constraints: OnceLock::new(),
         })
+    }
+
+    /// The vocabulary a constraint plugin is initialized with: each token's bytes, EOS, the
+    /// special tokens, and the logits width.
+    pub fn constraint_vocab(&self) -> ConstraintVocab {
+        let tok = &self.model.tokenizer;
+        let tokens: Vec<Vec<u8>> = (0..tok.vocab_size() as TokenId)
+            .map(|t| tok.token_bytes(t))
+            .collect();
+        let special: Vec<TokenId> = (tok.special_ids().into_iter())
+            .filter(|t| !tok.eos.contains(t))
+            .collect();
+        let width = self.model.model.config().vocab;
+        ConstraintVocab::from_tokens(&tokens, &tok.eos, &special, width)
+    }
+
+    /// Uses `plugin` (loaded with [`Llm::constraint_vocab`]) for constrained requests. Fails if
+    /// a constraint plugin is already in use.
+    pub fn set_constraint_plugin(&self, plugin: Arc<WasmConstraint>) -> Result<()> {
+        self.constraints
+            .set(Ok(plugin))
+            .map_err(|_| Error::BadRequest("this engine already has its constraint plugin".into()))
+    }
+
+    /// The constraint plugin, loading the builtin `grammar` if none was set.
+    pub fn constraint_plugin(&self) -> Result<Arc<WasmConstraint>> {
+        let loaded = self.constraints.get_or_init(|| {
+            let load = || -> Result<Arc<WasmConstraint>> {
+                let mut source = PluginSource::resolve("grammar", None)?;
+                source.limits.memory_mib = source.limits.memory_mib.max(DEFAULT_GRAMMAR_MEMORY_MIB);
+                let engine = PluginEngine::new(&CacheDir::Default)?;
+                WasmConstraint::load(engine, &source, &self.constraint_vocab())
+            };
+            load().map_err(|e| e.to_string())
+        });
+        loaded.clone().map_err(|reason| Error::Plugin {
+            plugin: "grammar".into(),
+            reason,
+        })
+    }
+
+    /// Compiles a constraint (or finds it compiled), refusing a bad spec with a message that
+    /// names the place; nothing runs.
+    pub fn check_constraint(&self, c: &Constraint) -> Result<()> {
+        self.constraint_plugin()?
+            .matcher(&c.kind, &c.spec)
+            .map(drop)
+    }
+
+    /// One matcher per sample of a constrained request (none for a free one).
+    fn matchers(&self, req: &Request) -> Result<Vec<Matcher>> {
+        let Some(c) = &req.constraint else {
+            return Ok(Vec::new());
+        };
+        if req.params.ignore_eos {
+            return Err(Error::BadRequest(
+                "ignore_eos cannot be combined with a constraint (the constraint decides where \
+                 the output may end)"
+                    .into(),
+            ));
+        }
+        let plugin = self.constraint_plugin()?;
+        (0..req.n)
+            .map(|_| plugin.matcher(&c.kind, &c.spec))
+            .collect()
     }
 
     pub fn model(&self) -> &LoadedModel {
@@ -201,16 +277,17 @@ impl Llm {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                self.prepare(r)
-                    .map_err(|e| e.to_string())
-                    .map(|(text, ids)| Prepared {
-                        text,
-                        ids,
-                        seed: r
-                            .params
-                            .seed
-                            .unwrap_or_else(|| mix(self.opts.seed, i as u64)),
-                    })
+                let (text, ids) = self.prepare(r).map_err(|e| e.to_string())?;
+                let matchers = self.matchers(r).map_err(|e| e.to_string())?;
+                Ok(Prepared {
+                    text,
+                    ids,
+                    seed: r
+                        .params
+                        .seed
+                        .unwrap_or_else(|| mix(self.opts.seed, i as u64)),
+                    matchers: Mutex::new(matchers),
+                })
             })
             .collect();
         let mut core = lock(&self.core);

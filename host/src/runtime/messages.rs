@@ -23,8 +23,15 @@ pub struct StepTiming {
     pub wait_plan_s: f64,
     /// Part of the gap spent waiting for the previous step's sampled tokens.
     pub wait_sample_s: f64,
-    /// Sampling this step's rows (on the sampler stage).
+    /// Sampling this step's rows (on the sampler stage), mask waits included.
     pub sample_s: f64,
+    /// Part of `sample_s` spent waiting for the constraint worker's masks: the exposed mask
+    /// time (the rest of the mask work overlapped the forward pass).
+    pub mask_wait_s: f64,
+    /// Time the constraint worker spent on matchers (consume + mask) since the previous step.
+    pub mask_s: f64,
+    /// Rows of this step sampled under a constraint.
+    pub constrained_rows: usize,
     pub num_tokens: usize,
     pub num_seqs: usize,
     /// Every entry is a one-token decode.

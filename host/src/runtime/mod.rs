@@ -3,6 +3,7 @@
 //! loop, executor, sampler stage, output stage) and the data they pass; it must not contain
 //! scheduling policy (`scheduler`), KV bookkeeping (`kv_cache`) or kernels (`backend`).
 
+mod constraint_stage;
 mod engine;
 mod executor;
 mod llm;
@@ -19,6 +20,6 @@ pub use llm::Llm;
 pub use messages::StepTiming;
 pub use options::{available_memory, EngineOptions, ResolvedSizes, DEFAULT_KV_BUDGET};
 pub use request::{
-    FinishReason, PromptInput, Request, RequestOutput, SampleOutput, StreamEvent, Timings,
+    Constraint, FinishReason, PromptInput, Request, RequestOutput, SampleOutput, StreamEvent, Timings,
 };
 pub use stats::RunSummary;

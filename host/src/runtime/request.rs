@@ -30,6 +30,43 @@ pub struct Request {
     /// More token ids that end generation (the model's EOS always does, unless
     /// `params.ignore_eos`).
     pub stop_token_ids: Vec<TokenId>,
+    /// Structured output: every sample must match this constraint.
+    pub constraint: Option<Constraint>,
+}
+
+/// A structured-output constraint: the output must match `spec` compiled as `kind` by the
+/// engine's constraint plugin (the builtin `grammar` compiles `json-schema`, `regex`, `lark`
+/// and `choice`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Constraint {
+    pub kind: String,
+    pub spec: String,
+}
+
+impl Constraint {
+    pub fn new(kind: impl Into<String>, spec: impl Into<String>) -> Constraint {
+        Constraint {
+            kind: kind.into(),
+            spec: spec.into(),
+        }
+    }
+    /// A JSON Schema (as JSON text).
+    pub fn json_schema(schema: impl Into<String>) -> Constraint {
+        Constraint::new("json-schema", schema)
+    }
+    /// A regular expression the whole output must match.
+    pub fn regex(re: impl Into<String>) -> Constraint {
+        Constraint::new("regex", re)
+    }
+    /// A Lark-style EBNF grammar (start rule `start`).
+    pub fn lark(grammar: impl Into<String>) -> Constraint {
+        Constraint::new("lark", grammar)
+    }
+    /// Exactly one of these strings.
+    pub fn choice<S: AsRef<str>>(options: &[S]) -> Constraint {
+        let list: Vec<&str> = options.iter().map(AsRef::as_ref).collect();
+        Constraint::new("choice", serde_json::to_string(&list).unwrap_or_default())
+    }
 }
 
 impl Request {
@@ -41,6 +78,7 @@ impl Request {
             params,
             n: 1,
             stop_token_ids: Vec::new(),
+            constraint: None,
         }
     }
 

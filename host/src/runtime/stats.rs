@@ -38,6 +38,13 @@ pub struct RunSummary {
     pub ms_per_decode_step: f64,
     /// Exposed time / decode step time, over all decode steps.
     pub exposed_fraction: f64,
+    /// Steps that sampled at least one row under a constraint.
+    pub constrained_steps: u64,
+    /// Mean time per constrained step the sampler waited for constraint masks (exposed: the
+    /// rest of the mask work overlapped the forward pass).
+    pub mask_exposed_ms_per_step: f64,
+    /// Mean constraint-worker time (consume + mask, all rows) per constrained step.
+    pub mask_compute_ms_per_step: f64,
 }
 
 impl RunSummary {
@@ -74,7 +81,15 @@ impl std::fmt::Display for RunSummary {
             self.median_exposed_ms_per_decode_step,
             self.ms_per_decode_step,
             self.exposed_fraction * 100.0
-        )
+        )?;
+        if self.constrained_steps > 0 {
+            write!(
+                f,
+                "; constraint masks {:.2} ms per constrained step, {:.2} ms of it exposed ({} steps)",
+                self.mask_compute_ms_per_step, self.mask_exposed_ms_per_step, self.constrained_steps
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -88,6 +103,9 @@ pub struct StepStats {
     decode_sample_waits: f64,
     decode_forward_s: f64,
     decode_seqs: u64,
+    constrained_steps: u64,
+    mask_wait_s: f64,
+    mask_s: f64,
 }
 
 impl StepStats {
@@ -98,6 +116,11 @@ impl StepStats {
         self.steps += 1;
         self.forward_s += t.forward_s;
         self.sample_s += t.sample_s;
+        if t.constrained_rows > 0 {
+            self.constrained_steps += 1;
+            self.mask_wait_s += t.mask_wait_s;
+            self.mask_s += t.mask_s;
+        }
         if let (true, Some(gap)) = (t.decode_only, t.gap_s) {
             self.decode_gaps.push(gap);
             self.decode_sample_waits += t.wait_sample_s.min(gap);
@@ -111,6 +134,12 @@ impl StepStats {
         s.steps = self.steps;
         s.forward_s = self.forward_s;
         s.sample_s = self.sample_s;
+        s.constrained_steps = self.constrained_steps;
+        if self.constrained_steps > 0 {
+            let k = self.constrained_steps as f64;
+            s.mask_exposed_ms_per_step = self.mask_wait_s / k * 1e3;
+            s.mask_compute_ms_per_step = self.mask_s / k * 1e3;
+        }
         let n = self.decode_gaps.len();
         s.decode_steps = n as u64;
         if n == 0 {
