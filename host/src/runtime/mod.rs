@@ -20,6 +20,7 @@ pub use llm::Llm;
 pub use messages::StepTiming;
 pub use options::{available_memory, EngineOptions, ResolvedSizes, DEFAULT_KV_BUDGET};
 pub use request::{
-    Constraint, FinishReason, PromptInput, Request, RequestOutput, SampleOutput, StreamEvent, Timings,
+    Constraint, FinishReason, PromptInput, Request, RequestOutput, SampleOutput, StreamEvent,
+    Timings,
 };
 pub use stats::RunSummary;
