@@ -115,6 +115,33 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a buffer to host memory.
     fn to_host(&self, x: &Self::Buf) -> Result<Vec<f32>>;
 
+    /// A new buffer holding `x` (host fallbacks of the operations below use it). The default
+    /// says the backend has no such upload yet.
+    fn upload(&self, x: &[f32]) -> Result<Self::Buf> {
+        let _ = x;
+        Err(crate::error::Error::BadConfig(format!(
+            "backend {} cannot upload host data yet (needed by MoE and MLA layers)",
+            self.device_name()
+        )))
+    }
+
+    /// `out[rows[j]] += scales[j] * src[j]` for rows of `width` floats (the combine step of a
+    /// mixture-of-experts layer). The default runs on the host through [`Backend::upload`].
+    fn scatter_add_rows(
+        &self,
+        out: &mut Self::Buf,
+        src: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        let mut o = self.to_host(out)?;
+        let s = self.to_host(src)?;
+        select::scatter_add_rows(&mut o, &s, width, rows, scales);
+        *out = self.upload(&o)?;
+        Ok(())
+    }
+
     /// Index of the largest value of each `width`-wide row of `x` (ties: the lowest index).
     fn argmax_rows(&self, x: &Self::Buf, width: usize) -> Result<Vec<u32>> {
         Ok(select::argmax_rows(&self.to_host(x)?, width))
@@ -145,6 +172,22 @@ pub mod select {
                 best as u32
             })
             .collect()
+    }
+
+    /// See [`super::Backend::scatter_add_rows`].
+    pub fn scatter_add_rows(
+        out: &mut [f32],
+        src: &[f32],
+        width: usize,
+        rows: &[usize],
+        scales: &[f32],
+    ) {
+        for (j, (&r, &s)) in rows.iter().zip(scales).enumerate() {
+            let o = &mut out[r * width..(r + 1) * width];
+            for (o, &v) in o.iter_mut().zip(&src[j * width..(j + 1) * width]) {
+                *o += s * v;
+            }
+        }
     }
 
     /// See [`super::Backend::top_k_rows`].

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_offline;
+mod dev;
 mod eval;
 mod generate;
 mod jsonl_out;
@@ -31,6 +32,8 @@ pub enum Command {
     Eval(eval::EvalArgs),
     /// List, inspect and check the configured plugins.
     Plugins(plugins::PluginsArgs),
+    /// Developer tools (tiny checkpoints).
+    Dev(dev::DevArgs),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -49,5 +52,6 @@ pub fn main() -> anyhow::Result<()> {
         Command::Plot(args) => plot::run(args),
         Command::Eval(args) => eval::run(args),
         Command::Plugins(args) => plugins::run(args),
+        Command::Dev(args) => dev::run(args),
     }
 }

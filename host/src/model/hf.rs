@@ -19,7 +19,8 @@ use crate::tensor::{Bytes, DType, Weight};
 
 struct Entry {
     map: Arc<Mmap>,
-    dtype: DType,
+    /// `None`: FP8 e4m3 (dequantized on load with its `weight_scale_inv`).
+    dtype: Option<DType>,
     shape: Vec<usize>,
     offset: usize,
     len: usize,
@@ -28,6 +29,8 @@ struct Entry {
 /// The tensors of an HF folder, memory-mapped.
 pub struct SafetensorsFolder {
     tensors: HashMap<String, Entry>,
+    /// Block shape of FP8 weights' scales (`quantization_config.weight_block_size`).
+    fp8_block: [usize; 2],
 }
 
 fn st_err(path: &Path, reason: impl std::fmt::Display) -> Error {
@@ -51,9 +54,10 @@ impl SafetensorsFolder {
             let data_start = 8 + header;
             for (name, info) in meta.tensors() {
                 let dtype = match info.dtype {
-                    Dtype::F32 => DType::F32,
-                    Dtype::F16 => DType::F16,
-                    Dtype::BF16 => DType::BF16,
+                    Dtype::F32 => Some(DType::F32),
+                    Dtype::F16 => Some(DType::F16),
+                    Dtype::BF16 => Some(DType::BF16),
+                    Dtype::F8_E4M3 => None,
                     other => {
                         return Err(st_err(
                             &path,
@@ -74,8 +78,71 @@ impl SafetensorsFolder {
                 );
             }
         }
-        Ok(SafetensorsFolder { tensors })
+        Ok(SafetensorsFolder {
+            tensors,
+            fp8_block: [128, 128],
+        })
     }
+
+    /// Sets the block shape FP8 weights' scales cover (DeepSeek: 128 x 128).
+    pub fn set_fp8_block(&mut self, block: [usize; 2]) {
+        self.fp8_block = block;
+    }
+
+    /// An FP8 e4m3 weight times its per-block `weight_scale_inv`, as an owned F32 weight.
+    fn dequant_fp8(&self, name: &str, e: &Entry, rows: usize, cols: usize) -> Result<Weight> {
+        let scale_name = match name.strip_suffix(".weight") {
+            Some(p) => format!("{p}.weight_scale_inv"),
+            None => format!("{name}_scale_inv"),
+        };
+        let [br, bc] = self.fp8_block;
+        let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
+        let scales = self.weight(&scale_name, &grid).map_err(|err| match err {
+            Error::MissingTensor(_) => Error::MissingTensor(format!(
+                "{scale_name} (the block scales of FP8 tensor `{name}`)"
+            )),
+            other => other,
+        })?;
+        let sdt = scales.dtype;
+        let mut s = vec![0.0f32; grid[0] * grid[1]];
+        crate::backend::cpu::quant::dequantize_row(sdt, scales.bytes(), &mut s);
+        let raw = &e.map[e.offset..e.offset + e.len];
+        let mut out = Vec::with_capacity(rows * cols * 4);
+        for r in 0..rows {
+            for c in 0..cols {
+                let v = e4m3_to_f32(raw[r * cols + c]);
+                if v.is_nan() {
+                    return Err(Error::BadMetadata {
+                        key: name.to_string(),
+                        reason: format!("FP8 value at [{r}, {c}] is NaN"),
+                    });
+                }
+                let v = v * s[(r / br) * grid[1] + c / bc];
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(Weight {
+            dtype: DType::F32,
+            rows,
+            cols,
+            data: Bytes::Owned(Arc::new(out)),
+        })
+    }
+}
+
+/// Decodes one FP8 e4m3 (`e4m3fn`: bias 7, no infinities, `S.1111.111` is NaN) value.
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xF, (b & 7) as f32);
+    if e == 0xF && b & 7 == 7 {
+        return f32::NAN;
+    }
+    let v = if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e as i32 - 7)
+    };
+    sign * v
 }
 
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
@@ -138,7 +205,17 @@ impl WeightSource for SafetensorsFolder {
         } else {
             1
         };
-        if e.dtype.bytes_for(rows * cols) != Some(e.len) {
+        let Some(dtype) = e.dtype else {
+            if e.len != rows * cols {
+                return Err(Error::ShapeMismatch {
+                    tensor: name.into(),
+                    expected: shape.to_vec(),
+                    actual: e.shape.clone(),
+                });
+            }
+            return self.dequant_fp8(name, e, rows, cols);
+        };
+        if dtype.bytes_for(rows * cols) != Some(e.len) {
             return Err(Error::ShapeMismatch {
                 tensor: name.into(),
                 expected: shape.to_vec(),
@@ -146,7 +223,7 @@ impl WeightSource for SafetensorsFolder {
             });
         }
         Ok(Weight {
-            dtype: e.dtype,
+            dtype,
             rows,
             cols,
             data: Bytes::Mapped {
@@ -158,7 +235,7 @@ impl WeightSource for SafetensorsFolder {
     }
 }
 
-fn read_json(path: &Path) -> Result<Value> {
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::BadConfig(format!("{}: {e}", path.display())))
 }
@@ -276,7 +353,17 @@ pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
 /// Loads an HF folder.
 pub fn load(dir: &Path, device: crate::backend::Device) -> Result<LoadedModel> {
     let cfg_json = read_json(&dir.join("config.json"))?;
-    let cfg = model_config(&cfg_json)?;
+    let model_type = field(&cfg_json, "model_type").and_then(|v| v.as_str());
+    let deepseek = match model_type {
+        Some(t) if super::deepseek_config::MODEL_TYPES.contains(&t) => Some(
+            super::deepseek_config::DeepseekV3Config::from_json(&cfg_json)?,
+        ),
+        _ => None,
+    };
+    let cfg = match &deepseek {
+        Some(d) => d.model_config(),
+        None => model_config(&cfg_json)?,
+    };
     let tok_cfg = read_json(&dir.join("tokenizer_config.json")).ok();
     let gen_cfg = read_json(&dir.join("generation_config.json")).ok();
     let mut eos = ids(gen_cfg.as_ref().and_then(|g| g.get("eos_token_id")));
@@ -297,8 +384,16 @@ pub fn load(dir: &Path, device: crate::backend::Device) -> Result<LoadedModel> {
             .and_then(|v| v.as_str()),
         &tokenizer,
     )?;
-    let st = SafetensorsFolder::open(dir)?;
-    let model = arch::build(cfg, &st, device)?;
+    let mut st = SafetensorsFolder::open(dir)?;
+    let model = match deepseek {
+        Some(d) => {
+            if let Some(b) = d.fp8_block {
+                st.set_fp8_block(b);
+            }
+            arch::build_deepseek_v3(d, &st, device)?
+        }
+        None => arch::build(cfg, &st, device)?,
+    };
     Ok(LoadedModel {
         path: dir.to_path_buf(),
         model,

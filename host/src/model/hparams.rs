@@ -117,3 +117,80 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 }
+
+/// YaRN rope scaling (Peng et al., 2023, "YaRN: Efficient Context Window Extension of Large
+/// Language Models"), with the `mscale` / `mscale_all_dim` attention correction DeepSeek uses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position: usize,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    /// Explicit cos/sin scale; derived from the mscales when absent.
+    pub attention_factor: Option<f64>,
+    /// Round the correction range to whole dimensions.
+    pub truncate: bool,
+}
+
+impl Yarn {
+    /// `0.1 * mscale * ln(scale) + 1` for `scale > 1`, else 1.
+    pub fn get_mscale(scale: f64, mscale: f64) -> f64 {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * mscale * scale.ln() + 1.0
+        }
+    }
+
+    /// The factor applied to cos and sin.
+    pub fn cos_sin_scale(&self) -> f64 {
+        if let Some(a) = self.attention_factor {
+            return a;
+        }
+        match (self.mscale, self.mscale_all_dim) {
+            (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                Self::get_mscale(self.factor, m) / Self::get_mscale(self.factor, a)
+            }
+            _ => Self::get_mscale(self.factor, 1.0),
+        }
+    }
+
+    /// Inverse frequencies of the `dims / 2` rotary pairs: interpolated (divided by `factor`)
+    /// for long wavelengths, extrapolated (unchanged) for short ones, blended linearly between
+    /// the `beta_fast` and `beta_slow` correction dimensions.
+    pub fn inv_freq(&self, theta: f64, dims: usize) -> Vec<f32> {
+        let d = dims as f64;
+        let corr = |rot: f64| {
+            d * (self.original_max_position as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (corr(self.beta_fast), corr(self.beta_slow));
+        if self.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        (0..dims / 2)
+            .map(|i| {
+                let pos_freq = theta.powf(2.0 * i as f64 / d) as f32;
+                let extra = 1.0 / pos_freq;
+                let inter = 1.0 / (self.factor as f32 * pos_freq);
+                let ramp = ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                inter * (1.0 - keep) + extra * keep
+            })
+            .collect()
+    }
+}
+
+/// Plain rope inverse frequencies, `theta^(-2i/dims)`.
+pub fn rope_inv_freq(theta: f64, dims: usize) -> Vec<f32> {
+    (0..dims / 2)
+        .map(|i| 1.0 / (theta.powf(2.0 * i as f64 / dims as f64) as f32))
+        .collect()
+}

@@ -4,14 +4,18 @@
 pub mod arch;
 pub mod batch;
 pub mod chat;
+pub mod deepseek_config;
 pub mod fetch;
 pub mod gguf;
 pub mod gguf_config;
 pub mod gguf_writer;
 pub mod hf;
 pub mod hparams;
+pub mod mla;
+pub mod moe;
 pub mod random;
 pub mod tiny;
+pub mod tiny_deepseek;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};

@@ -276,6 +276,33 @@ impl Backend for CpuBackend {
     fn to_host(&self, x: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(x.clone())
     }
+
+    fn upload(&self, x: &[f32]) -> Result<Vec<f32>> {
+        Ok(x.to_vec())
+    }
+
+    fn scatter_add_rows(
+        &self,
+        out: &mut Vec<f32>,
+        src: &Vec<f32>,
+        width: usize,
+        rows: &[usize],
+        scales: &[f32],
+    ) -> Result<()> {
+        if rows.iter().any(|&r| (r + 1) * width > out.len()) || rows.len() * width > src.len() {
+            return Err(Error::BadRequest(
+                "scatter_add_rows: row index outside the buffer".into(),
+            ));
+        }
+        for (j, (&r, &s)) in rows.iter().zip(scales).enumerate() {
+            ops::axpy(
+                &mut out[r * width..(r + 1) * width],
+                s,
+                &src[j * width..(j + 1) * width],
+            );
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
