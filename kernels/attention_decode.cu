@@ -163,7 +163,7 @@ __device__ void attn_combine_impl(T* out, const float* part_o, const float* part
     extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_d##D##_##S(                          \
         float* part_o, float* part_ml, T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tok_seq,  \
         const int* positions, const int* tables, int table_width, int n_heads, int n_kv_heads, int block_size,      \
-        float scale_log2, int window, int splits) {                                                                 \
+        float scale_log2, int window, int splits) { PDL_ENTRY();                                                                 \
         attn_decode_impl<T, D>(part_o, part_ml, out, q, kc, vc, tok_seq, positions, tables, table_width, n_heads,   \
                                n_kv_heads, block_size, scale_log2, window, splits);                                 \
     }
@@ -175,7 +175,7 @@ __device__ void attn_combine_impl(T* out, const float* part_o, const float* part
     DECODE_WRAPPER(T, S, 128)                                                                               \
     DECODE_WRAPPER(T, S, 256)                                                                               \
     extern "C" __global__ void attn_combine_##S(T* out, const float* part_o, const float* part_ml, int splits, \
-                                                int D) {                                                    \
+                                                int D) { PDL_ENTRY();                                                    \
         attn_combine_impl<T>(out, part_o, part_ml, splits, D);                                              \
     }
 

@@ -365,7 +365,7 @@ __device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const b
     extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_prefill_d##D##_##S(                            \
         T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
         const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
-        int block_size, float scale_log2, int window) {                                                            \
+        int block_size, float scale_log2, int window) { PDL_ENTRY();                                                            \
         attn_prefill_impl<T, D>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos, tables, table_width,  \
                                 n_heads, n_kv_heads, block_size, scale_log2, window);                              \
     }
@@ -374,7 +374,7 @@ __device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const b
     extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_prefill2_d##D##_##S(                           \
         T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
         const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
-        int block_size, float scale_log2, int window) {                                                            \
+        int block_size, float scale_log2, int window) { PDL_ENTRY();                                                            \
         attn_prefill2_impl<T, D>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos, tables, table_width, \
                                  n_heads, n_kv_heads, block_size, scale_log2, window);                             \
     }

@@ -141,3 +141,26 @@ __device__ __forceinline__ float weight_at(int wt, const u8* w, long row_bytes, 
     if (wt == WT_Q4_1) return ld_f16(b) * (float)q + ld_f16(b + 2);
     return ld_f16(b) * ((float)q - 8.0f);
 }
+
+// Programmatic dependent launch (Hopper+; the host launches kernels with the programmatic
+// stream serialization attribute when the device supports it). Every kernel calls
+// `pdl_launch_dependents()` at entry, so the next kernel's blocks may be scheduled while this
+// one runs, and `pdl_wait()` before it touches memory that earlier kernels write (or that
+// they read and it writes): the wait returns once every earlier kernel has finished and its
+// writes are visible. Work that needs neither (streaming weights) may run before the wait.
+// Without the attribute, or below sm_90, both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+#define PDL_ENTRY() \
+    do {                        \
+        pdl_launch_dependents(); \
+        pdl_wait();             \
+    } while (0)

@@ -78,19 +78,19 @@ __device__ void gather_rows_impl(T* out, const T* x, const int* rows, long width
 
 #define EW_WRAPPERS(T, S)                                                                                          \
     extern "C" __global__ void embed_##S(T* out, const u8* table, const u32* tokens, int wt, long rows, long cols,  \
-                                         long row_bytes) {                                                         \
+                                         long row_bytes) { PDL_ENTRY();                                                         \
         embed_impl<T>(out, table, tokens, wt, rows, cols, row_bytes);                                              \
     }                                                                                                              \
-    extern "C" __global__ void rms_norm_##S(T* out, T* x, const T* y, const float* g, int d, float eps) {         \
+    extern "C" __global__ void rms_norm_##S(T* out, T* x, const T* y, const float* g, int d, float eps) { PDL_ENTRY();         \
         rms_norm_impl<T>(out, x, y, g, d, eps);                                                                    \
     }                                                                                                              \
-    extern "C" __global__ void add_##S(T* x, const T* y, long n) { add_impl<T>(x, y, n); }                        \
-    extern "C" __global__ void silu_mul_##S(T* g, const T* u, long n) { silu_mul_impl<T>(g, u, n); }              \
+    extern "C" __global__ void add_##S(T* x, const T* y, long n) { PDL_ENTRY(); add_impl<T>(x, y, n); }                        \
+    extern "C" __global__ void silu_mul_##S(T* g, const T* u, long n) { PDL_ENTRY(); silu_mul_impl<T>(g, u, n); }              \
     extern "C" __global__ void rope_##S(T* x, const float* cs, const float* sn, long n_tokens, int n_heads,        \
-                                        int head_dim, int half, int style) {                                       \
+                                        int head_dim, int half, int style) { PDL_ENTRY();                                       \
         rope_impl<T>(x, cs, sn, n_tokens, n_heads, head_dim, half, style);                                         \
     }                                                                                                              \
-    extern "C" __global__ void gather_rows_##S(T* out, const T* x, const int* rows, long width) {                 \
+    extern "C" __global__ void gather_rows_##S(T* out, const T* x, const int* rows, long width) { PDL_ENTRY();                 \
         gather_rows_impl<T>(out, x, rows, width);                                                                  \
     }
 
@@ -100,7 +100,7 @@ EW_WRAPPERS(bf16_t, bf16)
 // The rotary angle table of a step: cos/sin of pos / scale * theta^(-2i / dims), computed in
 // double precision as the CPU backend does, for every token and pair index i < half.
 extern "C" __global__ void rope_table(float* cs, float* sn, const int* positions, long n_tokens, int half, int dims,
-                                      float theta, float scale) {
+                                      float theta, float scale) { PDL_ENTRY();
     const long total = n_tokens * half;
     for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long)gridDim.x * blockDim.x) {
         const int i = (int)(e % half);
@@ -116,7 +116,7 @@ extern "C" __global__ void rope_table(float* cs, float* sn, const int* positions
 
 // Any weight type -> bf16, one thread per 32 elements (cols is a multiple of 32 for the
 // block types; the float types take any width).
-extern "C" __global__ void weight_to_bf16(bf16_t* out, const u8* w, int wt, long rows, long cols, long row_bytes) {
+extern "C" __global__ void weight_to_bf16(bf16_t* out, const u8* w, int wt, long rows, long cols, long row_bytes) { PDL_ENTRY();
     const long chunks = (cols + 31) / 32;
     const long total = rows * chunks;
     for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long)gridDim.x * blockDim.x) {
@@ -135,7 +135,7 @@ extern "C" __global__ void weight_to_bf16(bf16_t* out, const u8* w, int wt, long
 }
 
 // Any weight type -> f32 (the cuBLAS input when activations are kept in f32).
-extern "C" __global__ void weight_to_f32(float* out, const u8* w, int wt, long rows, long cols, long row_bytes) {
+extern "C" __global__ void weight_to_f32(float* out, const u8* w, int wt, long rows, long cols, long row_bytes) { PDL_ENTRY();
     const long chunks = (cols + 31) / 32;
     const long total = rows * chunks;
     for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long)gridDim.x * blockDim.x) {
@@ -163,10 +163,10 @@ __device__ void write_kv_impl(bf16_t* kc, bf16_t* vc, const T* k, const T* v, co
 }
 
 extern "C" __global__ void write_kv_f32(bf16_t* kc, bf16_t* vc, const float* k, const float* v, const long* slots,
-                                        long kv_width) {
+                                        long kv_width) { PDL_ENTRY();
     write_kv_impl<float>(kc, vc, k, v, slots, kv_width);
 }
 extern "C" __global__ void write_kv_bf16(bf16_t* kc, bf16_t* vc, const bf16_t* k, const bf16_t* v, const long* slots,
-                                         long kv_width) {
+                                         long kv_width) { PDL_ENTRY();
     write_kv_impl<bf16_t>(kc, vc, k, v, slots, kv_width);
 }

@@ -28,6 +28,7 @@ __device__ __forceinline__ void f16x8_to_f32(uint4 v, float* out) {
 template <typename T, int WT>
 __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2,
                           const T* x, int n, int k, long row_bytes) {
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
     const long grow = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const u8* w;
@@ -47,7 +48,11 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_N; t++) acc[t] = 0.0f;
 
+    // Weights are never written by earlier kernels: the first loads go out before the wait.
+    bool waited = false;
     if (WT == WT_Q4_0 || WT == WT_Q4_1 || WT == WT_Q8_0) {
+        pdl_wait();
+        waited = true;
         const int nb = k >> 5;
         for (int b = lane; b < nb; b += 32) {
             float wf[32];
@@ -81,6 +86,10 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
                     if (WT == WT_F32) raw2[u] = ld_stream16(wrow + (long)c * cbytes + 16);
                 }
             }
+            if (!waited) {
+                pdl_wait();
+                waited = true;
+            }
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++) {
                 const int c = c0 + 32 * u;
@@ -111,6 +120,8 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
             }
         }
     } else {
+        pdl_wait();
+        waited = true;
         for (int c = lane; c < k; c += 32) {
             const float wv = weight_at(WT, wrow, 0, 0, c);
 #pragma unroll
@@ -119,6 +130,7 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
             }
         }
     }
+    if (!waited) pdl_wait();
 #pragma unroll
     for (int t = 0; t < GEMV_MAX_N; t++) {
         if (t < n) {
@@ -144,3 +156,133 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
 
 GEMV_ALL(float, f32)
 GEMV_ALL(bf16_t, bf16)
+
+// Block-cooperative GEMV for long rows of bf16/f16 weights (k >= 2048, k % 8 == 0): a block of
+// GEMVB_THREADS threads computes R consecutive output rows for up to N tokens. Every thread
+// owns 16-byte chunks c = tid + GEMVB_THREADS * u of each of the R rows, so a warp reads 512
+// contiguous bytes per load, and all R * U loads of an iteration are issued before the first is
+// used (R * U = 8 loads, 128 bytes, in flight per thread). Partial sums meet in shared memory.
+// Small blocks of rows keep the grid many blocks deep, so the tail of the launch is short.
+#define GEMVB_THREADS 256
+
+template <typename T, int WT, int N, int R, int U>
+__device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0,
+                                           int m1, int m2, const T* x, int n, int k, long row_bytes) {
+    __shared__ float red[GEMVB_THREADS / 32][R * N];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    pdl_launch_dependents();
+    bool waited = false;
+    const long row0 = (long)blockIdx.x * R;
+    const u8* wr[R];
+    T* yr[R];
+    long rr[R], mr[R];
+    bool ok[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const long g = row0 + i;
+        ok[i] = true;
+        if (g < m0) {
+            wr[i] = w0; yr[i] = y0; rr[i] = g; mr[i] = m0;
+        } else if (g < (long)m0 + m1) {
+            wr[i] = w1; yr[i] = y1; rr[i] = g - m0; mr[i] = m1;
+        } else if (g < (long)m0 + m1 + m2) {
+            wr[i] = w2; yr[i] = y2; rr[i] = g - m0 - m1; mr[i] = m2;
+        } else {
+            wr[i] = w0; yr[i] = y0; rr[i] = 0; mr[i] = m0; ok[i] = false;
+        }
+        wr[i] += rr[i] * row_bytes;
+    }
+    float acc[R][N];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) acc[i][t] = 0.0f;
+    const int nch = k >> 3;
+    for (int c0 = tid; c0 < nch; c0 += GEMVB_THREADS * U) {
+        uint4 raw[R][U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + GEMVB_THREADS * u;
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                if (c < nch && ok[i]) raw[i][u] = ld_stream16(wr[i] + (long)c * 16);
+                else raw[i][u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + GEMVB_THREADS * u;
+            if (c < nch) {
+#pragma unroll
+                for (int t = 0; t < N; t++) {
+                    if (N == 1 || t < n) {
+                        float xf[8];
+                        act_load8(x + (long)t * k + (long)c * 8, xf);
+#pragma unroll
+                        for (int i = 0; i < R; i++) {
+                            float wf[8];
+                            if (WT == WT_BF16) bf16x8_to_f32(raw[i][u], wf);
+                            else f16x8_to_f32(raw[i][u], wf);
+                            float s = acc[i][t];
+#pragma unroll
+                            for (int j = 0; j < 8; j++) s = fmaf(wf[j], xf[j], s);
+                            acc[i][t] = s;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (!waited) pdl_wait();
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            const float s = warp_sum(acc[i][t]);
+            if (lane == 0) red[warp][i * N + t] = s;
+        }
+    __syncthreads();
+    // Compile-time row and token indices, so the per-row arrays stay in registers.
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            if (tid == i * N + t && ok[i] && t < n) {
+                float s = 0.0f;
+#pragma unroll
+                for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi][i * N + t];
+                act_store(yr[i], (long)t * mr[i] + rr[i], s);
+            }
+        }
+}
+
+// gemvb_<weight>_n<N>_r<R>u<U>_<act>
+#define GEMVB_WRAPPER(T, S, WT, WS, N, R, U)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvb_##WS##_n##N##_r##R##u##U##_##S(                \
+        const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2, const T* x, int n, \
+        int k, long row_bytes) {                                                                                  \
+        gemvb_impl<T, WT, N, R, U>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, n, k, row_bytes);                      \
+    }
+
+// Shapes: (R, U) = (4, 2) for k <= 4096, (2, 4) for k <= 8192, (1, 8) beyond; N = 1, 2, 4, 8.
+#define GEMVB_SHAPES(T, S, WT, WS, N)      \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 4, 2)   \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 2, 4)   \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 1, 8)
+#define GEMVB_ALL(T, S)                    \
+    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 1)  \
+    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 2)  \
+    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 4)  \
+    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 8)  \
+    GEMVB_SHAPES(T, S, WT_F16, f16w, 1)    \
+    GEMVB_SHAPES(T, S, WT_F16, f16w, 2)    \
+    GEMVB_SHAPES(T, S, WT_F16, f16w, 4)    \
+    GEMVB_SHAPES(T, S, WT_F16, f16w, 8)
+
+GEMVB_ALL(float, f32)
+GEMVB_ALL(bf16_t, bf16)
+

@@ -143,11 +143,11 @@ __device__ void topk_impl(u32* ids, float* vals, const T* x, long width, int k) 
     }
 }
 
-extern "C" __global__ void argmax_f32(u32* out, const float* x, long width) { argmax_impl<float>(out, x, width); }
-extern "C" __global__ void argmax_bf16(u32* out, const bf16_t* x, long width) { argmax_impl<bf16_t>(out, x, width); }
-extern "C" __global__ void topk_f32(u32* ids, float* vals, const float* x, long width, int k) {
+extern "C" __global__ void argmax_f32(u32* out, const float* x, long width) { PDL_ENTRY(); argmax_impl<float>(out, x, width); }
+extern "C" __global__ void argmax_bf16(u32* out, const bf16_t* x, long width) { PDL_ENTRY(); argmax_impl<bf16_t>(out, x, width); }
+extern "C" __global__ void topk_f32(u32* ids, float* vals, const float* x, long width, int k) { PDL_ENTRY();
     topk_impl<float>(ids, vals, x, width, k);
 }
-extern "C" __global__ void topk_bf16(u32* ids, float* vals, const bf16_t* x, long width, int k) {
+extern "C" __global__ void topk_bf16(u32* ids, float* vals, const bf16_t* x, long width, int k) { PDL_ENTRY();
     topk_impl<bf16_t>(ids, vals, x, width, k);
 }

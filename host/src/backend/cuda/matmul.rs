@@ -8,8 +8,9 @@
 use std::sync::Arc;
 
 use super::blas::{Gemm, GemmType};
+use super::module::{KernelId, GEMVB_SHAPES, GEMVB_TOKENS};
 use super::ops::check;
-use super::queue::{elementwise_grid, Gemv, Op, GEMV_SEGMENTS};
+use super::queue::{elementwise_grid, Gemv, Op, GEMV_SEGMENTS, GEMV_THREADS};
 use super::weights::WType;
 use super::{Act, CudaBuf, CudaWeight, Inner};
 use crate::error::Result;
@@ -81,16 +82,42 @@ pub(crate) fn matmul(
     Ok(())
 }
 
+/// The GEMV kernel for `rows` output rows of `n` tokens and its rows per block. Long bf16/f16
+/// rows (k >= 2048) go to the block-cooperative kernels, which kept 4.0 TB/s over a whole
+/// Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
+/// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
+/// beyond; several tokens always take 4 rows x 2 loads.
+fn pick(inner: &Inner, act: Act, wt: WType, n: usize, k: usize, _rows: usize) -> (KernelId, usize) {
+    let kernels = inner.module.act(act);
+    let wi = match wt {
+        WType::Bf16 => Some(0),
+        WType::F16 => Some(1),
+        _ => None,
+    };
+    if let (Some(wi), true) = (wi, inner.opts.gemvb && k % 8 == 0 && k >= 2048) {
+        let ni = GEMVB_TOKENS.iter().position(|&t| t >= n);
+        let si = match (n, k) {
+            (1, k) if k > 8192 => 2,
+            (1, k) if k > 4096 => 1,
+            _ => 0,
+        };
+        if let Some(ni) = ni {
+            return (kernels.gemvb[wi][ni][si], GEMVB_SHAPES[si].0);
+        }
+    }
+    (kernels.gemv[wt as usize], (GEMV_THREADS / 32) as usize)
+}
+
 /// Queues a GEMV, or appends it as a segment to the GEMV just queued when that one reads the
-/// same input with the same kernel and shape.
+/// same input with the same weight type and shape (the kernel is then chosen again for the
+/// rows of all segments).
 fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) {
-    let kernel = inner.module.act(act).gemv[w.wtype as usize];
     let seg = (w.ptr(), y.ptr(), w.rows);
     let mut q = inner.queue();
     if inner.opts.fuse {
         if let Some(Op::Gemv(g)) = q.last_mut() {
             let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr()) || y.ptr() == g.x;
-            if g.kernel == kernel
+            if g.wtype == w.wtype
                 && g.x == x.ptr()
                 && g.n == n
                 && g.k == w.cols
@@ -99,11 +126,14 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
                 && !outputs_clash
             {
                 g.segs.push(seg);
+                let rows = g.segs.iter().map(|s| s.2).sum();
+                (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, rows);
                 return;
             }
         }
     }
     drop(q);
+    let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, w.rows);
     inner.push(Op::Gemv(Gemv {
         kernel,
         x: x.ptr(),
@@ -111,5 +141,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
         k: w.cols,
         row_bytes: w.row_bytes,
         segs: vec![seg],
+        wtype: w.wtype,
+        rows_per_block,
     }));
 }

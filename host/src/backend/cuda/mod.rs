@@ -66,6 +66,10 @@ pub struct CudaOptions {
     pub fuse: bool,
     /// Use the double-buffered (cp.async) prefill attention kernel.
     pub prefill_pipelined: bool,
+    /// Programmatic dependent launch where the device has it (sm_90+).
+    pub pdl: bool,
+    /// Block-cooperative GEMVs for long bf16/f16 rows (see `matmul::pick`).
+    pub gemvb: bool,
 }
 
 impl Default for CudaOptions {
@@ -75,13 +79,15 @@ impl Default for CudaOptions {
             graphs: true,
             fuse: true,
             prefill_pipelined: true,
+            pdl: true,
+            gemvb: true,
         }
     }
 }
 
 impl CudaOptions {
-    /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`
-    /// and `DEEPINFER_CUDA_FUSE` (`0` turns them off), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL` and `DEEPINFER_CUDA_GEMVB` (`0` turns them off), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -98,6 +104,8 @@ impl CudaOptions {
         let off = |k: &str| std::env::var(k).map(|v| v == "0").unwrap_or(false);
         o.graphs = !off("DEEPINFER_CUDA_GRAPHS");
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
+        o.pdl = !off("DEEPINFER_CUDA_PDL");
+        o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,
             Some("1") => o.prefill_pipelined = false,
@@ -274,7 +282,8 @@ impl CudaBackend {
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating a stream", e))?;
-        let module = Module::load(&ctx)?;
+        let mut module = Module::load(&ctx)?;
+        module.pdl &= opts.pdl;
         let blas = Blas::new(&ctx, &stream)?;
         let name = format!(
             "cuda:{ordinal} ({})",

@@ -148,13 +148,24 @@ pub struct ActKernels {
     pub attn_prefill2: [KernelId; 2],
     /// By weight type (see `WType`).
     pub gemv: [KernelId; 6],
+    /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
+    /// token bound (1, 2, 4, 8) and shape ([`GEMVB_SHAPES`]).
+    pub gemvb: [[[KernelId; 3]; 4]; 2],
     pub argmax: KernelId,
     pub topk: KernelId,
 }
 
+/// Token bounds of the block-cooperative GEMV instantiations.
+pub const GEMVB_TOKENS: [usize; 4] = [1, 2, 4, 8];
+/// (rows per block, 16-byte loads per thread and row) of the block-cooperative GEMVs.
+pub const GEMVB_SHAPES: [(usize, usize); 3] = [(4, 2), (2, 4), (1, 8)];
+
 /// The loaded module and its kernel ids.
 pub struct Module {
     funcs: Vec<CudaFunction>,
+    /// Launch with programmatic stream serialization (Hopper and later; see `pdl_wait` in
+    /// `kernels/common.cuh`).
+    pub pdl: bool,
     pub f32: ActKernels,
     pub bf16: ActKernels,
     pub rope_table: KernelId,
@@ -213,6 +224,17 @@ impl Module {
                     n("gemv_q4_1w")?,
                     n("gemv_q8_0w")?,
                 ],
+                gemvb: {
+                    let mut g = [[[KernelId(0); 3]; 4]; 2];
+                    for (wi, w) in ["bf16w", "f16w"].iter().enumerate() {
+                        for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
+                            for (si, (r, u)) in GEMVB_SHAPES.iter().enumerate() {
+                                g[wi][ni][si] = n(&format!("gemvb_{w}_n{tn}_r{r}u{u}"))?;
+                            }
+                        }
+                    }
+                    g
+                },
                 argmax: n("argmax")?,
                 topk: n("topk")?,
             })
@@ -242,6 +264,7 @@ impl Module {
         }
         Ok(Module {
             funcs,
+            pdl: major >= 9,
             f32,
             bf16,
             rope_table,
