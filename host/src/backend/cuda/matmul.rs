@@ -94,7 +94,7 @@ fn pick(inner: &Inner, act: Act, wt: WType, n: usize, k: usize, _rows: usize) ->
         WType::F16 => Some(1),
         _ => None,
     };
-    if let (Some(wi), true) = (wi, inner.opts.gemvb && k % 8 == 0 && k >= 2048) {
+    if let (Some(wi), true) = (wi, inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
         let ni = GEMVB_TOKENS.iter().position(|&t| t >= n);
         let si = match (n, k) {
             (1, k) if k > 8192 => 2,
