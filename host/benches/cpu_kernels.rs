@@ -4,6 +4,9 @@
 //! - `matvec/*` (one token, the decode case): throughput is weight bytes streamed (GB/s).
 //! - `tokens64/*` (64 tokens, the prefill case): throughput "elements" are FLOPs
 //!   (2 * rows * cols * 64), so Gelem/s reads as GFLOP/s.
+//! - `tokens64_a16/*`: the same with 16-bit activations (`matmul16`, the default precision),
+//!   and `tokens64_two_pass/*` the 128-token 8-bit product the two-pass precision it replaced
+//!   cost (FLOPs counted once, for the 64 tokens).
 //! - `decode_step/*`: all matvecs of one decode step over distinct weights (~96 MB): the
 //!   time per token the matmuls cost when weights stream from L3/DRAM.
 //! - `overhead/*`: fixed costs of a pool job and of a tiny matvec.
@@ -15,6 +18,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::backend::cpu::matmul::{matmul, matmul_with_isa};
+use deepinfer::backend::cpu::matmul16::{matmul16, supports};
 use deepinfer::backend::cpu::pool::ThreadPool;
 use deepinfer::backend::cpu::quant::Isa;
 use deepinfer::tensor::{Bytes, DType, Weight};
@@ -84,6 +88,26 @@ fn bench(c: &mut Criterion) {
         let mut y = vec![0f32; n * w.rows];
         g.throughput(Throughput::Elements((2 * w.rows * w.cols * n) as u64));
         g.bench_function(*name, |b| b.iter(|| matmul(&pool, w, &x, n, &mut y)));
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("tokens64_a16");
+    for (name, w) in weights.iter().filter(|(_, w)| supports(w.dtype)) {
+        let n = 64;
+        let x = activations(n * w.cols);
+        let mut y = vec![0f32; n * w.rows];
+        g.throughput(Throughput::Elements((2 * w.rows * w.cols * n) as u64));
+        g.bench_function(*name, |b| b.iter(|| matmul16(&pool, w, &x, n, &mut y)));
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group("tokens64_two_pass");
+    for (name, w) in &weights {
+        let n = 64;
+        let x = activations(2 * n * w.cols);
+        let mut y = vec![0f32; 2 * n * w.rows];
+        g.throughput(Throughput::Elements((2 * w.rows * w.cols * n) as u64));
+        g.bench_function(*name, |b| b.iter(|| matmul(&pool, w, &x, 2 * n, &mut y)));
     }
     g.finish();
 

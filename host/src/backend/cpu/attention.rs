@@ -2,7 +2,7 @@
 //! sliding windows. Work is split into (sequence, KV head, query chunk) tasks on the pool.
 
 use super::kv::PagedKv;
-use super::ops::{axpy, dot};
+use super::ops::{axpy_body, dot_body, softmax_body};
 use super::pool::ThreadPool;
 use crate::model::batch::Batch;
 
@@ -73,6 +73,10 @@ pub fn paged_attention(
         let (si, g, c0, c1) = tasks[ti];
         let s = &batch.seqs[si];
         let ctx_end = s.pos + c1;
+        // Slot offsets of every key this task reads, looked up once.
+        let offs: Vec<usize> = (0..ctx_end)
+            .map(|j| kv.slot_offset(&s.block_table, j) + g * hd)
+            .collect();
         let mut scores = vec![0.0f32; group * ctx_end];
         let mut acc = vec![0.0f32; group * hd];
         for i in c0..c1 {
@@ -82,28 +86,13 @@ pub fn paged_attention(
                 Some(w) => (pos + 1).saturating_sub(w),
                 None => 0,
             };
-            let n = pos + 1 - lo;
             let qs = &q[t * q_stride + g * group * hd..t * q_stride + (g + 1) * group * hd];
-            for j in lo..=pos {
-                let off = kv.slot_offset(&s.block_table, j) + g * hd;
-                let key = &kc[off..off + hd];
-                for h in 0..group {
-                    scores[h * ctx_end + (j - lo)] = dot(&qs[h * hd..h * hd + hd], key) * p.scale;
-                }
-            }
-            for h in 0..group {
-                let row = &mut scores[h * ctx_end..h * ctx_end + n];
-                super::ops::softmax(row);
-            }
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for j in lo..=pos {
-                let off = kv.slot_offset(&s.block_table, j) + g * hd;
-                let val = &vc[off..off + hd];
-                for h in 0..group {
-                    let w = scores[h * ctx_end + (j - lo)];
-                    axpy(&mut acc[h * hd..h * hd + hd], w, val);
-                }
-            }
+            let keys = Keys {
+                k: kc,
+                v: vc,
+                offs: &offs[lo..=pos],
+            };
+            attend(qs, &keys, hd, p.scale, &mut scores, &mut acc);
             let base = t * q_stride + g * group * hd;
             // SAFETY: each (token, kv-head group) range is written by exactly one task, and
             // `base + group * hd <= out.len()` because `t < n_tokens` and `g < n_kv_heads`.
@@ -112,6 +101,66 @@ pub fn paged_attention(
             }
         }
     });
+}
+
+/// The keys and values one query attends to: `k[offs[j]..][..hd]`, `v[offs[j]..][..hd]`.
+struct Keys<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    offs: &'a [usize],
+}
+
+/// One query's heads of a KV group (`qs`: `acc.len() / hd` heads) against `keys`: softmax
+/// attention into `acc`; `scores` is scratch of at least heads x keys. The same operations for
+/// a query whatever the batch, chunk or thread.
+fn attend(qs: &[f32], keys: &Keys<'_>, hd: usize, scale: f32, scores: &mut [f32], acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::ops::has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { attend_avx2(qs, keys, hd, scale, scores, acc) };
+    }
+    attend_body(qs, keys, hd, scale, scores, acc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(
+    qs: &[f32],
+    keys: &Keys<'_>,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    acc: &mut [f32],
+) {
+    attend_body(qs, keys, hd, scale, scores, acc)
+}
+
+#[inline(always)]
+fn attend_body(
+    qs: &[f32],
+    keys: &Keys<'_>,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    acc: &mut [f32],
+) {
+    let (n, group) = (keys.offs.len(), acc.len() / hd);
+    for (j, &off) in keys.offs.iter().enumerate() {
+        let key = &keys.k[off..off + hd];
+        for h in 0..group {
+            scores[h * n + j] = dot_body(&qs[h * hd..h * hd + hd], key) * scale;
+        }
+    }
+    for h in 0..group {
+        softmax_body(&mut scores[h * n..h * n + n]);
+    }
+    acc.iter_mut().for_each(|a| *a = 0.0);
+    for (j, &off) in keys.offs.iter().enumerate() {
+        let val = &keys.v[off..off + hd];
+        for h in 0..group {
+            axpy_body(&mut acc[h * hd..h * hd + hd], scores[h * n + j], val);
+        }
+    }
 }
 
 #[cfg(test)]

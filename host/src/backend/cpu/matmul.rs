@@ -122,14 +122,14 @@ fn run(
 
 /// How the rows are split into tasks: whole groups of 4 rows, equal counts, a multiple of
 /// the thread count where there are enough rows.
-struct Plan {
-    n_tasks: usize,
+pub(super) struct Plan {
+    pub(super) n_tasks: usize,
     rows_per_task: usize,
     rows: usize,
 }
 
 impl Plan {
-    fn new(n_threads: usize, rows: usize, row_bytes: usize) -> Plan {
+    pub(super) fn new(n_threads: usize, rows: usize, row_bytes: usize) -> Plan {
         let quads = rows.div_ceil(4);
         let by_size = (rows * row_bytes).div_ceil(TASK_BYTES);
         let wanted = by_size
@@ -144,7 +144,7 @@ impl Plan {
         }
     }
 
-    fn rows(&self, task: usize) -> std::ops::Range<usize> {
+    pub(super) fn rows(&self, task: usize) -> std::ops::Range<usize> {
         let start = task * self.rows_per_task;
         start..(start + self.rows_per_task).min(self.rows)
     }
@@ -153,11 +153,11 @@ impl Plan {
 /// How far ahead of the tile being computed a task's first pass prefetches weight bytes:
 /// enough to cover DRAM latency at a core's streaming rate, so each new task (a new address
 /// stream the hardware prefetcher has not learnt yet) does not stall.
-const PREFETCH_BYTES: usize = 4096;
+pub(super) const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetches `len` bytes of `b` from offset `at` (clipped to `b`) into the cache.
 #[inline]
-fn prefetch(b: &[u8], at: usize, len: usize) {
+pub(super) fn prefetch(b: &[u8], at: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

@@ -6,7 +6,7 @@
 use crate::model::hparams::{RopeSpec, RopeStyle};
 
 #[inline(always)]
-fn dot_body(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     const L: usize = 16;
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
@@ -26,7 +26,7 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn axpy_body(y: &mut [f32], a: f32, x: &[f32]) {
+pub(super) fn axpy_body(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y = x.mul_add(a, *y);
     }
@@ -45,7 +45,7 @@ unsafe fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
+pub(super) fn has_avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
@@ -163,25 +163,97 @@ impl RopeTable {
     }
 }
 
-/// In-place softmax; returns nothing and leaves an all-`-inf` row as all zeros.
-pub fn softmax(x: &mut [f32]) {
+/// `e^x` for the finite `x <= 0` of a softmax (after subtracting the maximum): Cody-Waite
+/// reduction to `2^n e^r`, `|r| <= ln 2 / 2`, and a degree-6 Taylor polynomial (relative error
+/// about 2e-7); `0` below -87. Plain arithmetic, so a loop over it vectorizes.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding and removing 1.5 * 2^23 rounds to nearest.
+    const MAGIC: f32 = 12_582_912.0;
+    let below = x < -87.0;
+    let x = if below { -87.0 } else { x };
+    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0 / 720.0;
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p * r + c;
+    }
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if below {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+#[inline(always)]
+pub(super) fn softmax_body(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         x.iter_mut().for_each(|v| *v = 0.0);
         return;
     }
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    x.iter_mut().for_each(|v| *v = exp_neg(*v - max));
+    // Eight partial sums in a fixed order: vectorizes and stays deterministic.
+    let mut part = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (p, v) in part.iter_mut().zip(c) {
+            *p += v;
+        }
     }
-    let inv = 1.0 / sum;
+    let inv = 1.0 / (part.iter().sum::<f32>() + tail);
     x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(x: &mut [f32]) {
+    softmax_body(x)
+}
+
+/// In-place softmax; returns nothing and leaves an all-`-inf` row as all zeros.
+pub fn softmax(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { softmax_avx2(x) };
+    }
+    softmax_body(x)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_is_close_to_libm_and_softmax_sums_to_one() {
+        for i in 0..2000 {
+            let x = -(i as f32) * 0.05;
+            let (a, b) = (exp_neg(x), x.exp());
+            let want = if x < -87.0 { 0.0 } else { b };
+            assert!((a - want).abs() <= 4e-7 * b, "exp({x}): {a} vs {b}");
+        }
+        assert_eq!(exp_neg(-100.0), 0.0);
+        assert_eq!(exp_neg(0.0), 1.0);
+        for n in [1usize, 7, 8, 19, 300] {
+            let mut x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin() * 20.0).collect();
+            let want: Vec<f64> = {
+                let m = x.iter().cloned().fold(f32::MIN, f32::max) as f64;
+                let e: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                e.iter().map(|v| v / z).collect()
+            };
+            softmax(&mut x);
+            for (a, b) in x.iter().zip(&want) {
+                assert!((*a as f64 - b).abs() < 1e-6, "n {n}: {a} vs {b}");
+            }
+        }
+    }
 
     #[test]
     fn dot_matches_naive_on_odd_lengths() {

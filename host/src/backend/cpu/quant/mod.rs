@@ -4,8 +4,17 @@
 //! the 8-bit blocks the integer kernels consume; `scalar`, `avx2`/`avxvnni` (256-bit) and
 //! `avx512` hold the tile kernels; `kernel` picks one for a weight type and an [`Isa`]. This
 //! module never allocates weights: kernels read the quantized bytes where they lie.
+//!
+//! The default precision of the 32-element formats Q4_0, Q4_1 and Q8_0 is 16-bit activations:
+//! `act16` quantizes them, `a16` (portable), `a16_avx256` and `a16_avx512` hold their tiles.
 
+pub(crate) mod a16;
+#[cfg(target_arch = "x86_64")]
+mod a16_avx256;
+#[cfg(target_arch = "x86_64")]
+mod a16_avx512;
 pub(crate) mod act;
+pub(crate) mod act16;
 #[cfg(target_arch = "x86_64")]
 mod act_avx2;
 #[cfg(target_arch = "x86_64")]
@@ -66,6 +75,8 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+#[cfg(test)]
+mod a16_tests;
 #[cfg(test)]
 mod fixture_tests;
 #[cfg(test)]
