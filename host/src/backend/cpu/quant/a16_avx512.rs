@@ -6,9 +6,10 @@
 //! minimum goes through the activation sums (`m * s_x`, spread over 8 lanes per block); Q4_0's
 //! offset is subtracted in i16 and Q8_0 is sign-extended, so neither has an offset term.
 //!
-//! Q4_0 and Q4_1 read activations in octets: 8 blocks (160 or 144 bytes, three loads) are
-//! gathered into the octet's word order with two `vpermt2w` per register pair, so eight
-//! `vpdpwssd` share one conversion, one scale product and one FMA (lane l is block l % 8).
+//! All three read activations in octets: 8 blocks (144, 160 or 272 bytes, three or five
+//! loads) are gathered into the octet's word order with two or three `vpermt2w` per register
+//! pair, so eight `vpdpwssd` share one conversion, one scale product and one FMA (lane l is
+//! block l % 8).
 
 use std::arch::x86_64::*;
 
@@ -122,6 +123,94 @@ unsafe fn q4_octet<const OFFSET: i16>(
     (regs, d, _mm512_mul_ps(m, _mm512_set1_ps(0.5)))
 }
 
+/// [`Gather`] over three tables `(z0, z1)`, `(z2, z3)`, `(z4, z5)` (words 0..64, 64..128,
+/// 128..192 of the octet's bytes), for Q8_0's 272-byte octets.
+struct Gather3 {
+    idx: [[u16; 32]; 3],
+    mask: [u32; 3],
+}
+
+impl Gather3 {
+    const fn new(src: [u16; 32]) -> Gather3 {
+        let mut g = Gather3 {
+            idx: [[0; 32]; 3],
+            mask: [0; 3],
+        };
+        let mut pos = 0;
+        while pos < 32 {
+            let t = src[pos] as usize / 64;
+            g.idx[t][pos] = src[pos] % 64;
+            g.mask[t] |= 1 << pos;
+            pos += 1;
+        }
+        g
+    }
+
+    /// Q8_0 quant words for registers `2h, 2h + 1`: position `16 r + 8 m + blk` takes the
+    /// block's quant word (two values) `2 (2h + r) + m`.
+    const fn q8_quants(h: usize) -> Gather3 {
+        let mut src = [0u16; 32];
+        let mut pos = 0;
+        while pos < 32 {
+            let (r, m, blk) = (pos / 16, (pos / 8) % 2, pos % 8);
+            src[pos] = (17 * blk + 1 + 2 * (2 * h + r) + m) as u16;
+            pos += 1;
+        }
+        Gather3::new(src)
+    }
+
+    /// Q8_0 scales: `d` of block `pos % 8` at every position.
+    const fn q8_scales() -> Gather3 {
+        let mut src = [0u16; 32];
+        let mut pos = 0;
+        while pos < 32 {
+            src[pos] = (17 * (pos % 8)) as u16;
+            pos += 1;
+        }
+        Gather3::new(src)
+    }
+
+    #[inline(always)]
+    unsafe fn apply(&self, z: &[__m512i; 6]) -> __m512i {
+        let mut out = _mm512_setzero_si512();
+        for t in 0..3 {
+            let idx = _mm512_loadu_si512(self.idx[t].as_ptr().cast());
+            let part = _mm512_maskz_permutex2var_epi16(self.mask[t], z[2 * t], idx, z[2 * t + 1]);
+            out = _mm512_or_si512(out, part);
+        }
+        out
+    }
+}
+
+const Q8_0_QUANTS: [Gather3; 4] = [
+    Gather3::q8_quants(0),
+    Gather3::q8_quants(1),
+    Gather3::q8_quants(2),
+    Gather3::q8_quants(3),
+];
+const Q8_0_SCALES: Gather3 = Gather3::q8_scales();
+
+/// An octet of Q8_0 blocks: the 8 sign-extended word registers and `[d_0 .. d_7] x 2`.
+#[inline(always)]
+unsafe fn q8_octet(p: *const u8) -> ([__m512i; 8], __m512, __m512) {
+    let z = [
+        _mm512_loadu_si512(p.cast()),
+        _mm512_loadu_si512(p.add(64).cast()),
+        _mm512_loadu_si512(p.add(128).cast()),
+        _mm512_loadu_si512(p.add(192).cast()),
+        _mm512_maskz_loadu_epi8((1u64 << (8 * 34 - 256)) - 1, p.add(256).cast()),
+        _mm512_setzero_si512(),
+    ];
+    let mut regs = [_mm512_setzero_si512(); 8];
+    for h in 0..4 {
+        let g = Q8_0_QUANTS[h].apply(&z);
+        regs[2 * h] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(g));
+        regs[2 * h + 1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(g));
+    }
+    let d = _mm512_cvtph_ps(_mm512_castsi512_si256(Q8_0_SCALES.apply(&z)));
+    (regs, d, _mm512_setzero_ps())
+}
+
 const Q4_0_QUANTS: [Gather; 2] = [Gather::quants(18, 2, 0), Gather::quants(18, 2, 1)];
 const Q4_0_SCALES: Gather = Gather::scales(18);
 const Q4_1_QUANTS: [Gather; 2] = [Gather::quants(20, 4, 0), Gather::quants(20, 4, 1)];
@@ -224,7 +313,11 @@ impl Pair for Q4_1 {
 impl Pair for Q8_0 {
     const BYTES: usize = 34;
     const MIN: bool = false;
-    const OCTETS: bool = false;
+    const OCTETS: bool = true;
+    #[inline(always)]
+    unsafe fn octet(p: *const u8) -> ([__m512i; 8], __m512, __m512) {
+        q8_octet(p)
+    }
     #[inline(always)]
     unsafe fn unpack(a: *const u8, b: *const u8) -> (__m512i, __m512i) {
         let qa = _mm256_loadu_si256(a.add(2).cast());
