@@ -9,26 +9,26 @@
 // keeps its own online-softmax state, merged through shared memory at the end.
 
 #define DEC_WARPS 4
-#define DEC_MAXG 8
+#define DEC_MAXG 8  // most query heads per block; kernels exist for 1, 2, 4 and 8 (`_g<N>`)
 
-template <typename T, int D>
+template <typename T, int D, int MAXG>
 __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T* q, const bf16_t* kc,
                                  const bf16_t* vc, const int* tok_seq, const int* positions, const int* tables,
                                  int table_width, int n_heads, int n_kv_heads, int block_size, float scale_log2,
-                                 int window, int splits) {
+                                 int window, int splits, unsigned* counters) {
     constexpr int LPK = D / 8;
     constexpr int KPW = 32 / LPK;
     constexpr int NG = DEC_WARPS * KPW;  // key groups per block
-    __shared__ float sm_o[NG][DEC_MAXG][D];
-    __shared__ float sm_m[NG][DEC_MAXG];
-    __shared__ float sm_l[NG][DEC_MAXG];
+    __shared__ float sm_o[NG][MAXG][D];
+    __shared__ float sm_m[NG][MAXG];
+    __shared__ float sm_l[NG][MAXG];
 
     const int t = blockIdx.x;
     const int G = n_heads / n_kv_heads;
-    const int hgroups = (G + DEC_MAXG - 1) / DEC_MAXG;
+    const int hgroups = (G + MAXG - 1) / MAXG;
     const int g = blockIdx.y / hgroups;
-    const int h0 = g * G + (blockIdx.y % hgroups) * DEC_MAXG;
-    const int hn = min(DEC_MAXG, g * G + G - h0);
+    const int h0 = g * G + (blockIdx.y % hgroups) * MAXG;
+    const int hn = min(MAXG, g * G + G - h0);
     const int s = blockIdx.z;
     const int pos = positions[t];
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
@@ -41,9 +41,9 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
     const int kg = lane / LPK, sub = lane % LPK;
     const long slot_stride = (long)n_kv_heads * D;
 
-    float qr[DEC_MAXG][8];
+    float qr[MAXG][8];
 #pragma unroll
-    for (int h = 0; h < DEC_MAXG; h++) {
+    for (int h = 0; h < MAXG; h++) {
         if (h < hn) {
             const T* qp = q + ((long)t * n_heads + h0 + h) * D + sub * 8;
 #pragma unroll
@@ -53,9 +53,9 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
             for (int i = 0; i < 8; i++) qr[h][i] = 0.0f;
         }
     }
-    float m[DEC_MAXG], l[DEC_MAXG], acc[DEC_MAXG][8];
+    float m[MAXG], l[MAXG], acc[MAXG][8];
 #pragma unroll
-    for (int h = 0; h < DEC_MAXG; h++) {
+    for (int h = 0; h < MAXG; h++) {
         m[h] = NEG_INF;
         l[h] = 0.0f;
 #pragma unroll
@@ -76,7 +76,7 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
         bf16x8_to_f32(kraw, kf);
         bf16x8_to_f32(vraw, vf);
 #pragma unroll
-        for (int h = 0; h < DEC_MAXG; h++) {
+        for (int h = 0; h < MAXG; h++) {
             if (h < hn) {
                 float sc = 0.0f;
 #pragma unroll
@@ -98,7 +98,7 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
 
     const int grp = warp * KPW + kg;
 #pragma unroll
-    for (int h = 0; h < DEC_MAXG; h++) {
+    for (int h = 0; h < MAXG; h++) {
         if (h < hn) {
 #pragma unroll
             for (int i = 0; i < 8; i++) sm_o[grp][h][sub * 8 + i] = acc[h][i];
@@ -135,6 +135,41 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
             }
         }
     }
+    // With `counters` (zeroed, one per (token, head block)), the last split block of a row
+    // to finish merges the splits itself, which saves the combine launch; it leaves its
+    // counter at zero again for the next launch.
+    if (splits > 1 && counters != nullptr) {
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const long ci = (long)t * gridDim.y + blockIdx.y;
+            last = atomicAdd(&counters[ci], 1u) == (unsigned)(splits - 1);
+            if (last) counters[ci] = 0u;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            for (int e = threadIdx.x; e < hn * D; e += blockDim.x) {
+                const int h = e / D, d = e % D;
+                const long row = (long)t * n_heads + h0 + h;
+                float mx = NEG_INF;
+                for (int s2 = 0; s2 < splits; s2++) mx = fmaxf(mx, ld_cg(part_ml + (row * splits + s2) * 2));
+                float lsum = 0.0f, o = 0.0f;
+                if (mx != NEG_INF) {
+                    for (int s2 = 0; s2 < splits; s2++) {
+                        const float ms = ld_cg(part_ml + (row * splits + s2) * 2);
+                        if (ms != NEG_INF) {
+                            const float f = exp2f(ms - mx);
+                            lsum += ld_cg(part_ml + (row * splits + s2) * 2 + 1) * f;
+                            o += ld_cg(part_o + (row * splits + s2) * D + d) * f;
+                        }
+                    }
+                }
+                act_store(out, row * D + d, lsum > 0.0f ? o / lsum : 0.0f);
+            }
+        }
+    }
 }
 
 // Merges the splits of every (token, head) row: one block per row.
@@ -159,21 +194,24 @@ __device__ void attn_combine_impl(T* out, const float* part_o, const float* part
     }
 }
 
-#define DECODE_WRAPPER(T, S, D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_d##D##_##S(                          \
+#define DECODE_WRAPPER(T, S, D, G)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(DEC_WARPS * 32) attn_decode_d##D##_g##G##_##S(                          \
         float* part_o, float* part_ml, T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tok_seq,  \
         const int* positions, const int* tables, int table_width, int n_heads, int n_kv_heads, int block_size,      \
-        float scale_log2, int window, int splits) { PDL_ENTRY();                                                                 \
-        attn_decode_impl<T, D>(part_o, part_ml, out, q, kc, vc, tok_seq, positions, tables, table_width, n_heads,   \
-                               n_kv_heads, block_size, scale_log2, window, splits);                                 \
+        float scale_log2, int window, int splits, unsigned* counters) { PDL_ENTRY();                                                                 \
+        attn_decode_impl<T, D, G>(part_o, part_ml, out, q, kc, vc, tok_seq, positions, tables, table_width, n_heads,   \
+                               n_kv_heads, block_size, scale_log2, window, splits, counters);                                 \
     }
 
+#define DECODE_G(T, S, D) \
+    DECODE_WRAPPER(T, S, D, 1) DECODE_WRAPPER(T, S, D, 2) DECODE_WRAPPER(T, S, D, 4) DECODE_WRAPPER(T, S, D, 8)
+
 #define DECODE_ALL(T, S)                                                                                    \
-    DECODE_WRAPPER(T, S, 16)                                                                                \
-    DECODE_WRAPPER(T, S, 32)                                                                                \
-    DECODE_WRAPPER(T, S, 64)                                                                                \
-    DECODE_WRAPPER(T, S, 128)                                                                               \
-    DECODE_WRAPPER(T, S, 256)                                                                               \
+    DECODE_G(T, S, 16)                                                                                      \
+    DECODE_G(T, S, 32)                                                                                      \
+    DECODE_G(T, S, 64)                                                                                      \
+    DECODE_G(T, S, 128)                                                                                     \
+    DECODE_G(T, S, 256)                                                                                     \
     extern "C" __global__ void attn_combine_##S(T* out, const float* part_o, const float* part_ml, int splits, \
                                                 int D) { PDL_ENTRY();                                                    \
         attn_combine_impl<T>(out, part_o, part_ml, splits, D);                                              \

@@ -61,6 +61,13 @@ __device__ __forceinline__ void act_load8(const bf16_t* p, float* out) {
     bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
 }
 
+// A load that skips L1 (reads what other blocks wrote before a fence).
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

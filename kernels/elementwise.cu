@@ -69,6 +69,29 @@ __device__ void rope_impl(T* x, const float* cs, const float* sn, long n_tokens,
     }
 }
 
+// `rope_impl` over two tensors of one step in one launch (queries and keys): heads [0, h1)
+// of each token are x1's, [h1, h1 + h2) x2's.
+template <typename T>
+__device__ void rope2_impl(T* x1, T* x2, const float* cs, const float* sn, long n_tokens, int h1, int h2, int head_dim,
+                           int half, int style) {
+    const int hs = h1 + h2;
+    const long total = n_tokens * hs * half;
+    for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long)gridDim.x * blockDim.x) {
+        const int i = (int)(e % half);
+        const long th = e / half;
+        const long t = th / hs;
+        const int hh = (int)(th % hs);
+        T* x = hh < h1 ? x1 : x2;
+        const long base = hh < h1 ? (t * h1 + hh) * head_dim : (t * h2 + hh - h1) * head_dim;
+        const long ia = style == 0 ? base + 2 * i : base + i;
+        const long ib = style == 0 ? ia + 1 : ia + half;
+        const float c = cs[t * half + i], s = sn[t * half + i];
+        const float a = act_load(x, ia), b = act_load(x, ib);
+        act_store(x, ia, a * c - b * s);
+        act_store(x, ib, a * s + b * c);
+    }
+}
+
 template <typename T>
 __device__ void gather_rows_impl(T* out, const T* x, const int* rows, long width) {
     const long j = blockIdx.x;
@@ -89,6 +112,11 @@ __device__ void gather_rows_impl(T* out, const T* x, const int* rows, long width
     extern "C" __global__ void rope_##S(T* x, const float* cs, const float* sn, long n_tokens, int n_heads,        \
                                         int head_dim, int half, int style) { PDL_ENTRY();                                       \
         rope_impl<T>(x, cs, sn, n_tokens, n_heads, head_dim, half, style);                                         \
+    }                                                                                                              \
+    extern "C" __global__ void rope2_##S(T* x1, T* x2, const float* cs, const float* sn, long n_tokens, int h1,      \
+                                         int h2, int head_dim, int half, int style) {                              \
+        PDL_ENTRY();                                                                                               \
+        rope2_impl<T>(x1, x2, cs, sn, n_tokens, h1, h2, head_dim, half, style);                                    \
     }                                                                                                              \
     extern "C" __global__ void gather_rows_##S(T* out, const T* x, const int* rows, long width) { PDL_ENTRY();                 \
         gather_rows_impl<T>(out, x, rows, width);                                                                  \

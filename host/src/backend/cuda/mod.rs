@@ -70,6 +70,10 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// Block-cooperative GEMVs for long bf16/f16 rows (see `matmul::pick`).
     pub gemvb: bool,
+    /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
+    /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
+    /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
+    pub fuse2: bool,
 }
 
 impl Default for CudaOptions {
@@ -81,13 +85,15 @@ impl Default for CudaOptions {
             prefill_pipelined: true,
             pdl: true,
             gemvb: true,
+            fuse2: false,
         }
     }
 }
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL` and `DEEPINFER_CUDA_GEMVB` (`0` turns them off), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL` and `DEEPINFER_CUDA_GEMVB` (`0` turns them
+    /// off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -106,6 +112,7 @@ impl CudaOptions {
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
+        o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,
             Some("1") => o.prefill_pipelined = false,
@@ -141,6 +148,9 @@ pub fn unavailable_reason() -> Option<String> {
     }
 }
 
+/// Attention counters allocated (see `Inner::counters`).
+const ATTN_COUNTERS: usize = 1 << 18;
+
 /// Shared state of one backend and everything made from it.
 pub(crate) struct Inner {
     ctx: Arc<CudaContext>,
@@ -157,6 +167,9 @@ pub(crate) struct Inner {
     step_cache: Mutex<Option<step::StepCache>>,
     /// Staging buffer of large reads.
     pinned: Mutex<Option<readback::Pinned>>,
+    /// Zeroed arrival counters of the decode attention's in-kernel split merge (each launch
+    /// leaves them zero); `None` inside when the allocation failed.
+    counters: OnceLock<Option<DevMem>>,
     name: String,
 }
 
@@ -207,6 +220,18 @@ impl Inner {
             len,
             inner: self.clone(),
         })
+    }
+
+    /// The device address of at least `n` zeroed attention counters, if there are that many.
+    fn counters(&self, n: usize) -> Option<u64> {
+        let mem = self.counters.get_or_init(|| {
+            let bytes = ATTN_COUNTERS * 4;
+            let mem = DevMem::alloc(&self.ctx, bytes).ok()?;
+            // SAFETY: a fresh allocation of `bytes` bytes, zeroed before any kernel sees it.
+            unsafe { cudarc::driver::result::memset_d8_sync(mem.ptr, 0, bytes) }.ok()?;
+            Some(mem)
+        });
+        mem.as_ref().filter(|_| n <= ATTN_COUNTERS).map(|m| m.ptr)
     }
 
     /// Frees `mem` once queued work that may use it has run.
@@ -300,6 +325,7 @@ impl CudaBackend {
             all_half: AtomicBool::new(true),
             step_cache: Mutex::new(None),
             pinned: Mutex::new(None),
+            counters: OnceLock::new(),
             opts,
             name,
         };

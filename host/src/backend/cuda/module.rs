@@ -136,10 +136,12 @@ pub struct ActKernels {
     pub add: KernelId,
     pub silu_mul: KernelId,
     pub rope: KernelId,
+    /// RoPE of two tensors in one launch.
+    pub rope2: KernelId,
     pub gather_rows: KernelId,
     pub write_kv: KernelId,
-    /// By head dim 16, 32, 64, 128, 256.
-    pub attn_decode: [KernelId; 5],
+    /// By head dim 16, 32, 64, 128, 256 and query heads per block ([`DECODE_GROUPS`]).
+    pub attn_decode: [[KernelId; 4]; 5],
     pub attn_combine: KernelId,
     /// By head dim 64, 128.
     pub attn_prefill: [KernelId; 2],
@@ -154,6 +156,9 @@ pub struct ActKernels {
     pub argmax: KernelId,
     pub topk: KernelId,
 }
+
+/// Query heads per block of the decode attention instantiations (`MAXG`).
+pub const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 
 /// Token bounds of the block-cooperative GEMV instantiations.
 pub const GEMVB_TOKENS: [usize; 4] = [1, 2, 4, 8];
@@ -204,15 +209,18 @@ impl Module {
                 add: n("add")?,
                 silu_mul: n("silu_mul")?,
                 rope: n("rope")?,
+                rope2: n("rope2")?,
                 gather_rows: n("gather_rows")?,
                 write_kv: n("write_kv")?,
-                attn_decode: [
-                    n("attn_decode_d16")?,
-                    n("attn_decode_d32")?,
-                    n("attn_decode_d64")?,
-                    n("attn_decode_d128")?,
-                    n("attn_decode_d256")?,
-                ],
+                attn_decode: {
+                    let mut a = [[KernelId(0); 4]; 5];
+                    for (di, d) in [16, 32, 64, 128, 256].iter().enumerate() {
+                        for (gi, g) in DECODE_GROUPS.iter().enumerate() {
+                            a[di][gi] = n(&format!("attn_decode_d{d}_g{g}"))?;
+                        }
+                    }
+                    a
+                },
                 attn_combine: n("attn_combine")?,
                 attn_prefill: [n("attn_prefill_d64")?, n("attn_prefill_d128")?],
                 attn_prefill2: [n("attn_prefill2_d64")?, n("attn_prefill2_d128")?],
@@ -304,7 +312,7 @@ mod tests {
         for name in [
             "gemv_bf16w_bf16",
             "attn_prefill_d128_f32",
-            "attn_decode_d64_bf16",
+            "attn_decode_d64_g4_bf16",
             "topk_f32",
             "rms_norm_f32",
         ] {

@@ -213,7 +213,42 @@ pub(crate) fn rope(
         RopeStyle::Interleaved => 0u64,
         RopeStyle::Half => 1,
     };
-    let k = inner.module.act(inner.act()).rope;
+    let kernels = inner.module.act(inner.act());
+    let k = kernels.rope;
+    if inner.opts.fuse2 {
+        // The queries' rotation just queued with the same table and shape: rotate both at once.
+        let mut q = inner.queue();
+        if let Some(Op::Launch { kernel, args, .. }) = q.last_mut() {
+            if *kernel == k
+                && args.len() == 8
+                && args[0] != x.ptr()
+                && args[1..4] == [cs, sn, n as u64]
+                && args[5..8] == [head_dim as u64, half as u64, style]
+            {
+                let (x1, h1) = (args[0], args[4]);
+                q.pop();
+                q.push(Op::Launch {
+                    kernel: kernels.rope2,
+                    grid: [elementwise_grid(n * (h1 as usize + n_heads) * half), 1, 1],
+                    block: 256,
+                    smem: 0,
+                    args: vec![
+                        x1,
+                        x.ptr(),
+                        cs,
+                        sn,
+                        n as u64,
+                        h1,
+                        n_heads as u64,
+                        head_dim as u64,
+                        half as u64,
+                        style,
+                    ],
+                });
+                return Ok(());
+            }
+        }
+    }
     let total = n * n_heads * half;
     launch(
         inner,
