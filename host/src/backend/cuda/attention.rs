@@ -60,7 +60,7 @@ pub(crate) fn attention(
             p.n_kv_heads, p.head_dim, step.block_size, s.kv_heads, s.head_dim, s.block_size
         )));
     }
-    if p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 {
+    if p.n_kv_heads == 0 || !p.n_heads.is_multiple_of(p.n_kv_heads) {
         return Err(Error::BadConfig(format!(
             "{} heads over {} KV heads",
             p.n_heads, p.n_kv_heads

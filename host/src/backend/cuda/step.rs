@@ -63,7 +63,7 @@ fn put<T: Copy>(
     items: impl IntoIterator<Item = T>,
     to_bytes: impl Fn(T) -> Vec<u8>,
 ) -> usize {
-    while buf.len() % 16 != 0 {
+    while !buf.len().is_multiple_of(16) {
         buf.push(0);
     }
     let at = buf.len();
