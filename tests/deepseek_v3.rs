@@ -287,6 +287,74 @@ fn loads_through_the_generic_hf_path_with_its_tokenizer() {
     assert!(max_err(&got, &r.logits, r.vocab) < TOL);
 }
 
+#[test]
+fn engine_batches_match_the_direct_greedy_loop() {
+    use deepinfer::runtime::{EngineOptions, Llm, PromptInput, Request};
+    use deepinfer::sampling::{NativeSampler, SamplingParams};
+    let r = reference("qlora_group");
+    let prompts: Vec<Vec<u32>> = vec![
+        r.tokens[..5].to_vec(),
+        r.tokens[3..20].to_vec(),
+        r.tokens[..1].to_vec(),
+    ];
+    let steps = 10;
+    let m = model("qlora_group");
+    let argmax = |l: &[f32]| (0..l.len()).fold(0, |b, i| if l[i] > l[b] { i } else { b }) as u32;
+    let direct: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut kv = m.new_kv(4, 16).unwrap();
+            let mut b = prefill(p, 0);
+            b.logits_for = vec![p.len() - 1];
+            let mut next = argmax(&m.forward(&b, &mut kv).unwrap());
+            let mut out = vec![next];
+            for i in 1..steps {
+                let mut b = Batch::default();
+                b.push(&[next], p.len() + i - 1, vec![0, 1, 2, 3], true);
+                next = argmax(&m.forward(&b, &mut kv).unwrap());
+                out.push(next);
+            }
+            out
+        })
+        .collect();
+    let loaded = deepinfer::model::load(
+        &data().join("qlora_group"),
+        deepinfer::backend::Device::Cpu { threads: 2 },
+    )
+    .unwrap();
+    // the engine sizes the cache by the latent layout: 3 main + 1 MTP layer, 32 + 8 floats
+    assert_eq!(
+        loaded.model.kv_layout(16).bytes_per_block(),
+        4 * 40 * 4 * 16
+    );
+    let llm = Llm::new(
+        loaded,
+        std::sync::Arc::new(NativeSampler),
+        EngineOptions::default(),
+    )
+    .unwrap();
+    let reqs: Vec<Request> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            Request::new(
+                &i.to_string(),
+                PromptInput::Tokens(p.clone()),
+                SamplingParams {
+                    max_tokens: steps,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    let out = llm.generate(&reqs, &mut |_| {});
+    for (o, want) in out.iter().zip(&direct) {
+        assert!(o.error.is_none(), "{:?}", o.error);
+        assert_eq!(&o.token_ids, want, "request {}", o.id);
+    }
+}
+
 // ---- bad input -------------------------------------------------------------------------------
 
 fn copy_fixture(name: &str, to: &Path) {

@@ -68,6 +68,18 @@ pub trait CausalLm: Send + Sync {
     /// Runs every token of `batch`, writing their K/V into `kv`, and returns the logits of the
     /// tokens listed in `batch.logits_for` (`[logits_for.len(), vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>>;
+
+    /// What [`CausalLm::new_kv`] stores per layer group, for sizing the cache from a memory
+    /// budget. Default: f32 K and V of the config's KV heads in every layer.
+    fn kv_layout(&self, block_size: usize) -> crate::kv_cache::KvCacheLayout {
+        let c = self.config();
+        let shape = crate::kv_cache::AttentionShape {
+            num_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            dtype_bytes: std::mem::size_of::<f32>(),
+        };
+        crate::kv_cache::KvCacheLayout::full_attention(c.n_layers, shape, block_size)
+    }
 }
 
 /// Which naming convention a checkpoint's tensors follow.

@@ -67,7 +67,8 @@ impl Llm {
         sampler: Arc<dyn BatchSampler>,
         opts: EngineOptions,
     ) -> Result<Llm> {
-        let sizes = opts.resolve(model.model.config())?;
+        let layout = model.model.kv_layout(opts.block_size);
+        let sizes = opts.resolve_layout(model.model.config(), &layout)?;
         let manager = KvCacheManager::new(KvCacheConfig {
             num_blocks: sizes.num_blocks,
             block_size: opts.block_size,

@@ -72,6 +72,16 @@ impl EngineOptions {
     /// `max_num_seqs` full-context sequences could use twice over (the second half keeps
     /// finished prompts for prefix hits), so a tiny model does not reserve a huge table.
     pub fn resolve(&self, cfg: &ModelConfig) -> Result<ResolvedSizes> {
+        self.resolve_layout(cfg, &self.kv_layout(cfg))
+    }
+
+    /// [`EngineOptions::resolve`] for a model whose cache has its own `layout` (latent MLA,
+    /// mixed layer groups).
+    pub fn resolve_layout(
+        &self,
+        cfg: &ModelConfig,
+        layout: &KvCacheLayout,
+    ) -> Result<ResolvedSizes> {
         if self.block_size == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err(Error::BadConfig(format!(
                 "engine needs block_size, max_num_seqs and max_num_batched_tokens >= 1, got \
@@ -79,12 +89,12 @@ impl EngineOptions {
                 self.block_size, self.max_num_seqs, self.max_num_batched_tokens
             )));
         }
-        let layout = self.kv_layout(cfg);
+        layout.validate()?;
         let available = match self.kv_budget {
             KvBudget::Bytes(_) => 0,
             KvBudget::Fraction(_) => available_memory()?,
         };
-        let budget_blocks = num_blocks_for_budget(&layout, self.kv_budget, available)?;
+        let budget_blocks = num_blocks_for_budget(layout, self.kv_budget, available)?;
         let per_seq = cfg.context_len.div_ceil(self.block_size);
         let cap = per_seq.saturating_mul(self.max_num_seqs).saturating_mul(2);
         let scheduler = SchedulerConfig {

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::kv_cache::{KvCacheLayout, KvCacheSpec, LayerGroup};
 use crate::model::batch::Batch;
 use crate::model::deepseek_config::DeepseekV3Config;
 use crate::model::hparams::{rope_inv_freq, ModelConfig};
@@ -488,6 +489,22 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
         let layers = self.cfg.n_layers + self.mtp.len();
         let kv = MlaKv::new(layers, num_blocks, block_size, self.cfg.mla_cache_width())?;
         Ok(KvCache::new(kv, block_size))
+    }
+
+    /// One latent-MLA group over the main and MTP layers: per token and layer, the f32 latent
+    /// and the shared rope key.
+    fn kv_layout(&self, block_size: usize) -> KvCacheLayout {
+        KvCacheLayout {
+            block_size,
+            groups: vec![LayerGroup {
+                layers: (0..self.cfg.n_layers + self.mtp.len()).collect(),
+                spec: KvCacheSpec::LatentMla {
+                    latent_dim: self.cfg.kv_lora_rank,
+                    rope_dim: self.cfg.qk_rope_head_dim,
+                    dtype_bytes: std::mem::size_of::<f32>(),
+                },
+            }],
+        }
     }
 
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
