@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod eval;
 pub mod ids;
+pub mod json;
 pub mod kv_cache;
 pub mod model;
 pub mod plugins;

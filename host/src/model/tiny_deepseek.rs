@@ -327,7 +327,7 @@ impl TinyDeepseek {
             std::fs::write(&p, text).map_err(|e| Error::io(&p, e))
         };
         let pretty = |v: &serde_json::Value| {
-            serde_json::to_string_pretty(&sorted_keys(v)).unwrap_or_default() + "\n"
+            serde_json::to_string_pretty(&crate::json::sorted_keys(v)).unwrap_or_default() + "\n"
         };
         write("config.json", pretty(&self.config()))?;
         write(
@@ -368,27 +368,6 @@ fn quantize_fp8(w: &[f32], rows: usize, cols: usize, [br, bc]: [usize; 2]) -> (V
 
 /// A byte-level BPE `tokenizer.json` over the tiny vocabulary (the same tokens as the tiny
 /// Llama GGUF: ChatML specials, 256 byte tokens, a few merges).
-/// `v` with every object's keys in sorted order, so the files come out byte for byte the same
-/// whether or not serde_json keeps insertion order (a feature another crate in the build may
-/// switch on).
-fn sorted_keys(v: &serde_json::Value) -> serde_json::Value {
-    match v {
-        serde_json::Value::Object(m) => {
-            let mut keys: Vec<&String> = m.keys().collect();
-            keys.sort();
-            serde_json::Value::Object(
-                keys.into_iter()
-                    .map(|k| (k.clone(), sorted_keys(&m[k])))
-                    .collect(),
-            )
-        }
-        serde_json::Value::Array(a) => {
-            serde_json::Value::Array(a.iter().map(sorted_keys).collect())
-        }
-        other => other.clone(),
-    }
-}
-
 fn write_tokenizer(path: &Path) -> Result<()> {
     use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
     use tokenizers::models::bpe::BPE;
