@@ -338,7 +338,7 @@ fn engine_batches_match_the_direct_greedy_loop() {
         .enumerate()
         .map(|(i, p)| {
             Request::new(
-                &i.to_string(),
+                i.to_string(),
                 PromptInput::Tokens(p.clone()),
                 SamplingParams {
                     max_tokens: steps,
@@ -353,6 +353,47 @@ fn engine_batches_match_the_direct_greedy_loop() {
         assert!(o.error.is_none(), "{:?}", o.error);
         assert_eq!(&o.token_ids, want, "request {}", o.id);
     }
+}
+
+#[test]
+fn bf16_weights_load_and_stay_close() {
+    // the same checkpoint with every tensor rounded to bf16: loads through the BF16 path, and
+    // lands within bf16 rounding of the fp32 reference (but not on it)
+    let dir = tempfile::tempdir().unwrap();
+    copy_fixture("qlora_group", dir.path());
+    let p = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            let data = t
+                .data()
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    half::bf16::from_f32(v).to_le_bytes()
+                })
+                .collect();
+            (n, t.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = converted
+        .iter()
+        .map(|(n, s, d)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), d);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &p).unwrap();
+    let m = DeepseekV3::open(dir.path(), CpuBackend::new(2)).unwrap();
+    let r = reference("qlora_group");
+    let mut kv = m.new_kv(4, 16).unwrap();
+    let got = m.forward(&prefill(&r.tokens, 0), &mut kv).unwrap();
+    let err = max_err(&got, &r.logits, r.vocab);
+    eprintln!("bf16 weights vs fp32 reference: {err:.2e}");
+    assert!(err > 1e-5 && err < 5e-2, "bf16: {err:e}");
 }
 
 // ---- bad input -------------------------------------------------------------------------------
@@ -376,13 +417,13 @@ fn open_err(name: &str, edit: impl FnOnce(&Path)) -> String {
     let dir = tempfile::tempdir().unwrap();
     copy_fixture(name, dir.path());
     edit(dir.path());
-    let e = DeepseekV3::open(dir.path(), CpuBackend::new(1))
-        .err()
-        .expect("the broken checkpoint must not load");
-    let generic =
-        deepinfer::model::load(dir.path(), deepinfer::backend::Device::Cpu { threads: 1 })
-            .err()
-            .expect("nor through the generic loader");
+    let Err(e) = DeepseekV3::open(dir.path(), CpuBackend::new(1)) else {
+        panic!("the broken checkpoint must not load");
+    };
+    let cpu = deepinfer::backend::Device::Cpu { threads: 1 };
+    let Err(generic) = deepinfer::model::load(dir.path(), cpu) else {
+        panic!("nor through the generic loader");
+    };
     assert_eq!(e.to_string(), generic.to_string());
     e.to_string()
 }

@@ -115,7 +115,7 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f32, Option<Yarn>)> {
             .ok_or_else(|| bad("rope_parameters.rope_theta", "must be a number"))?,
         None => f64_or(cfg, "rope_theta", 10000.0)?,
     };
-    if !(theta > 0.0) {
+    if theta.is_nan() || theta <= 0.0 {
         return Err(bad("rope_theta", format!("must be positive, got {theta}")));
     }
     let Some(s) = scaling else {
@@ -133,7 +133,7 @@ fn rope(cfg: &Value, max_pos: usize) -> Result<(f32, Option<Yarn>)> {
                     .ok_or_else(|| bad(&format!("{key}.factor"), "must be a number"))?,
                 None => max_pos as f64 / orig.max(1) as f64,
             };
-            if !(factor > 0.0) || orig == 0 {
+            if factor.is_nan() || factor <= 0.0 || orig == 0 {
                 return Err(bad(
                     key,
                     format!("yarn factor {factor} and original_max_position_embeddings {orig} must be positive"),
@@ -319,7 +319,7 @@ impl DeepseekV3Config {
                 return Err(bad(k, "must be positive"));
             }
         }
-        if self.qk_rope_head_dim == 0 || self.qk_rope_head_dim % 2 != 0 {
+        if self.qk_rope_head_dim == 0 || !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(bad(
                 "qk_rope_head_dim",
                 format!("must be positive and even, got {}", self.qk_rope_head_dim),
@@ -334,7 +334,7 @@ impl DeepseekV3Config {
                 ),
             ));
         }
-        if !(self.rms_eps >= 0.0) {
+        if self.rms_eps.is_nan() || self.rms_eps < 0.0 {
             return Err(bad("rms_norm_eps", "must be non-negative"));
         }
         Ok(())

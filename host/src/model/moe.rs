@@ -97,7 +97,7 @@ impl RouterConfig {
                 self.top_k, self.n_experts
             ));
         }
-        if self.n_group == 0 || self.n_experts % self.n_group != 0 {
+        if self.n_group == 0 || !self.n_experts.is_multiple_of(self.n_group) {
             return bad(format!(
                 "n_group = {} must be positive and divide n_routed_experts = {}",
                 self.n_group, self.n_experts
@@ -222,7 +222,7 @@ pub struct HashTable {
 impl HashTable {
     /// Checks the table against the router's shape.
     pub fn validate(&self, cfg: &RouterConfig) -> Result<()> {
-        if self.top_k != cfg.top_k || self.table.len() % self.top_k.max(1) != 0 {
+        if self.top_k != cfg.top_k || !self.table.len().is_multiple_of(self.top_k.max(1)) {
             return Err(Error::BadConfig(format!(
                 "hash routing table has {} entries for top_k = {}, router top_k = {}",
                 self.table.len(),
