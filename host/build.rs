@@ -51,6 +51,12 @@ const PLUGINS: &[PluginCrate] = &[
         builtin: false,
     },
     PluginCrate {
+        name: "regex-dfa",
+        dir: "examples/02-regex-constraint",
+        package: "regex-dfa-constraint",
+        builtin: false,
+    },
+    PluginCrate {
         name: "hostile",
         dir: "host/tests/plugins/hostile",
         package: "hostile-sampler",

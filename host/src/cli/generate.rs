@@ -19,7 +19,10 @@ use crate::backend::Device;
 use crate::config::Config;
 use crate::kv_cache::KvBudget;
 use crate::model::chat::Message;
-use crate::runtime::{Constraint, EngineOptions, Llm, PromptInput, Request, RequestOutput};
+use crate::runtime::{
+    Constraint, EngineOptions, Llm, PromptInput, Request, RequestOutput,
+    DEFAULT_GRAMMAR_MEMORY_MIB, DEFAULT_GRAMMAR_TIME_LIMIT_MS,
+};
 use crate::sampling::{BatchSampler, NativeSampler};
 
 #[derive(Debug, clap::Args)]
@@ -214,7 +217,9 @@ fn check_constraints(
     let source = crate::plugins::PluginSource::from_config(config, &a.constraint_plugin)?;
     let mut source = source;
     if !config.plugins.contains_key(&a.constraint_plugin) {
-        source.limits.memory_mib = source.limits.memory_mib.max(256);
+        source.limits.memory_mib = (source.limits.memory_mib).max(DEFAULT_GRAMMAR_MEMORY_MIB);
+        source.limits.time_limit_ms =
+            (source.limits.time_limit_ms).max(DEFAULT_GRAMMAR_TIME_LIMIT_MS);
     }
     let engine = crate::plugins::PluginEngine::new(&crate::plugins::CacheDir::Default)?;
     let plugin = crate::plugins::WasmConstraint::load(engine, &source, &llm.constraint_vocab())

@@ -65,10 +65,17 @@ impl Seq {
         if self.ended || self.failed.is_some() {
             return;
         }
+        if eos.contains(&t) {
+            // The sampler checked the mask, which allows EOS only where the output is
+            // complete; the sequence ends here, so the matcher need not see it (llguidance
+            // refuses EOS once its parser has stopped).
+            self.ended = true;
+            self.next = None;
+            return;
+        }
         match self.matcher.consume(&[t]) {
             Ok(()) => {
                 self.consumed.push(t);
-                self.ended = eos.contains(&t);
                 self.next = None;
             }
             Err(e) => self.fail("consume", e),

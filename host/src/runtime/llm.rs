@@ -53,7 +53,11 @@ pub struct Llm {
 
 /// Linear memory of the builtin `grammar` plugin when loaded by default: its token index over
 /// a 49K-152K vocabulary plus parser state.
-const DEFAULT_GRAMMAR_MEMORY_MIB: u32 = 256;
+pub const DEFAULT_GRAMMAR_MEMORY_MIB: u32 = 256;
+/// Per-call time limit of the builtin `grammar` plugin when loaded by default: a mask inside a
+/// free-text JSON string walks most of the vocabulary and, on a loaded machine, can take tens
+/// of milliseconds; a call past the limit fails its request.
+pub const DEFAULT_GRAMMAR_TIME_LIMIT_MS: u32 = 2000;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -126,6 +130,8 @@ impl Llm {
             let load = || -> Result<Arc<WasmConstraint>> {
                 let mut source = PluginSource::resolve("grammar", None)?;
                 source.limits.memory_mib = source.limits.memory_mib.max(DEFAULT_GRAMMAR_MEMORY_MIB);
+                source.limits.time_limit_ms =
+                    (source.limits.time_limit_ms).max(DEFAULT_GRAMMAR_TIME_LIMIT_MS);
                 let engine = PluginEngine::new(&CacheDir::Default)?;
                 WasmConstraint::load(engine, &source, &self.constraint_vocab())
             };

@@ -16,7 +16,7 @@ mod sample_stage;
 mod stats;
 pub mod text;
 
-pub use llm::Llm;
+pub use llm::{Llm, DEFAULT_GRAMMAR_MEMORY_MIB, DEFAULT_GRAMMAR_TIME_LIMIT_MS};
 pub use messages::StepTiming;
 pub use options::{available_memory, EngineOptions, ResolvedSizes, DEFAULT_KV_BUDGET};
 pub use request::{
