@@ -52,47 +52,64 @@ pub fn matmul_with_isa(
     n_tokens: usize,
     y: &mut [f32],
 ) {
+    if !check_product("matmul", w, x, n_tokens, y) {
+        return;
+    }
+    let k = kernel::select(w.dtype, isa);
+    let x = &x[..n_tokens * w.cols];
+    ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut acts) => run(pool, isa, &k, w, x, n_tokens, y, &mut acts),
+        // Re-entered on this thread (a matmul inside a pool task): use fresh buffers.
+        Err(_) => run(pool, isa, &k, w, x, n_tokens, y, &mut Acts::default()),
+    });
+}
+
+/// The shape contract of a product `y = W x` over `n_tokens` tokens, shared by [`matmul`] and
+/// `matmul16`: panics naming `op` when `w`, `x` or `y` do not fit (callers check shapes at the
+/// safe boundary), writes the zero result of a product with no columns, and returns whether
+/// anything is left to compute.
+pub(super) fn check_product(
+    op: &str,
+    w: &Weight,
+    x: &[f32],
+    n_tokens: usize,
+    y: &mut [f32],
+) -> bool {
     let (rows, cols) = (w.rows, w.cols);
     let be = w.dtype.block_elems();
     assert!(
         cols % be == 0,
-        "matmul: {cols} columns is not a whole number of {} blocks",
+        "{op}: {cols} columns is not a whole number of {} blocks",
         w.dtype
     );
     let rb = w.row_bytes();
     assert!(
         w.bytes().len() >= rows * rb,
-        "matmul: {} weight of {rows}x{cols} needs {} bytes, has {}",
+        "{op}: {} weight of {rows}x{cols} needs {} bytes, has {}",
         w.dtype,
         rows * rb,
         w.bytes().len()
     );
     assert!(
         x.len() >= n_tokens * cols,
-        "matmul: x has {} values, needs {}",
+        "{op}: x has {} values, needs {}",
         x.len(),
         n_tokens * cols
     );
     assert!(
         y.len() >= n_tokens * rows,
-        "matmul: y has {} values, needs {}",
+        "{op}: y has {} values, needs {}",
         y.len(),
         n_tokens * rows
     );
     if rows == 0 || n_tokens == 0 {
-        return;
+        return false;
     }
     if cols == 0 {
         y[..n_tokens * rows].fill(0.0);
-        return;
+        return false;
     }
-    let k = kernel::select(w.dtype, isa);
-    let x = &x[..n_tokens * cols];
-    ACTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut acts) => run(pool, isa, &k, w, x, n_tokens, y, &mut acts),
-        // Re-entered on this thread (a matmul inside a pool task): use fresh buffers.
-        Err(_) => run(pool, isa, &k, w, x, n_tokens, y, &mut Acts::default()),
-    });
+    true
 }
 
 #[allow(clippy::too_many_arguments)]

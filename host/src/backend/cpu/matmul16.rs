@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 
-use super::matmul::{prefetch, Plan, PREFETCH_BYTES};
+use super::matmul::{check_product, prefetch, Plan, PREFETCH_BYTES};
 use super::pool::ThreadPool;
 use super::quant::a16::{self, Kernel16, MAX_ROWS, MAX_TOKENS};
 use super::quant::act::SyncPtr;
@@ -51,43 +51,12 @@ pub fn matmul16_with_isa(
     n_tokens: usize,
     y: &mut [f32],
 ) {
-    let (rows, cols) = (w.rows, w.cols);
     let k = a16::select(w.dtype, isa)
         .unwrap_or_else(|| panic!("matmul16: no 16-bit-activation kernel for {}", w.dtype));
-    let be = w.dtype.block_elems();
-    assert!(
-        cols % be == 0,
-        "matmul16: {cols} columns is not a whole number of {} blocks",
-        w.dtype
-    );
-    let rb = w.row_bytes();
-    assert!(
-        w.bytes().len() >= rows * rb,
-        "matmul16: {} weight of {rows}x{cols} needs {} bytes, has {}",
-        w.dtype,
-        rows * rb,
-        w.bytes().len()
-    );
-    assert!(
-        x.len() >= n_tokens * cols,
-        "matmul16: x has {} values, needs {}",
-        x.len(),
-        n_tokens * cols
-    );
-    assert!(
-        y.len() >= n_tokens * rows,
-        "matmul16: y has {} values, needs {}",
-        y.len(),
-        n_tokens * rows
-    );
-    if rows == 0 || n_tokens == 0 {
+    if !check_product("matmul16", w, x, n_tokens, y) {
         return;
     }
-    if cols == 0 {
-        y[..n_tokens * rows].fill(0.0);
-        return;
-    }
-    let x = &x[..n_tokens * cols];
+    let x = &x[..n_tokens * w.cols];
     ACTS16.with(|cell| match cell.try_borrow_mut() {
         Ok(mut acts) => run(pool, isa, &k, w, x, n_tokens, y, &mut acts),
         // Re-entered on this thread (a matmul inside a pool task): use fresh buffers.
