@@ -53,16 +53,18 @@ pub fn vocab() -> Vec<String> {
     v
 }
 
-struct Rng(u64);
+/// The tiny checkpoints' weight generator (an LCG; the committed fixtures depend on its exact
+/// sequence).
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> f32 {
+    pub(crate) fn next(&mut self) -> f32 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
-    fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
+    pub(crate) fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| self.next() * scale).collect()
     }
 }

@@ -10,7 +10,7 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use serde_json::json;
 
-use super::tiny::{vocab, SPECIALS};
+use super::tiny::{vocab, Rng, SPECIALS};
 use crate::error::{Error, Result};
 
 /// Shape and options of a tiny DeepSeek-V3.
@@ -62,20 +62,6 @@ impl Default for TinyDeepseek {
             topk_group: 2,
             fp8_block: None,
         }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
     }
 }
 
