@@ -4,12 +4,11 @@ mod common;
 
 use std::process::Command;
 
-fn deepinfer(args: &[&str]) -> std::process::Output {
-    let model = common::default_model_path();
+/// Runs the binary with `args`, then `extra`, asserting that it succeeds.
+fn run_ok(args: &[&str], extra: &[&std::ffi::OsStr]) -> std::process::Output {
     let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
         .args(args)
-        .arg("--model")
-        .arg(&model)
+        .args(extra)
         .output()
         .expect("runs");
     assert!(
@@ -18,6 +17,12 @@ fn deepinfer(args: &[&str]) -> std::process::Output {
         String::from_utf8_lossy(&out.stderr)
     );
     out
+}
+
+/// A command on the default model.
+fn deepinfer(args: &[&str]) -> std::process::Output {
+    let model = common::default_model_path();
+    run_ok(args, &["--model".as_ref(), model.as_os_str()])
 }
 
 /// `deepinfer bench` with `repeats` measured repeats, no warm-up, 2 threads, records appended
@@ -71,16 +76,7 @@ fn bench_writes_records_and_plot_draws_them() {
     assert!(
         recs[3]["tok_s_per_device"].as_f64().unwrap() > recs[3]["tok_s_per_user"].as_f64().unwrap()
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-        .args(["plot", rec_s, "--out-dir"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run_ok(&["plot", rec_s, "--out-dir"], &[dir.path().as_os_str()]);
     for f in ["pareto.svg", "prefill.svg"] {
         let svg = std::fs::read_to_string(dir.path().join(f)).unwrap();
         assert!(
@@ -184,15 +180,7 @@ fn eval_generates_and_scores_end_to_end() {
     let seeds: std::collections::HashSet<u64> =
         lines.iter().map(|l| l["seed"].as_u64().unwrap()).collect();
     assert_eq!(seeds.len(), 6, "each sample records its own seed");
-    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-        .args(["eval", "score", gen_s])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = run_ok(&["eval", "score", gen_s], &[]);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["samples"], 6);
     assert_eq!(report["questions"], 3);
