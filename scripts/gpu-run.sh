@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the device machine: unpacks what scripts/gpu-pack.sh left in dev-out/cuda/, finds the CUDA
+# On the device machine: unpacks what scripts/gpu-pack.sh left in dev-out/cuda/ (or
+# $DEEPINFER_PACK_DIR), finds the CUDA
 # libraries (NVRTC, cuBLAS) of the image, then runs what is asked:
 #
 #   scripts/gpu-run.sh tests              GPU kernel and model tests
@@ -7,9 +8,11 @@
 #   scripts/gpu-run.sh exec CMD...        any command with the libraries on the path
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+pack="${DEEPINFER_PACK_DIR:-dev-out/cuda}"
+case "$pack" in /*) ;; *) pack="$root/$pack" ;; esac
 bin=/tmp/deepinfer-bin
 mkdir -p "$bin"
-for f in "$root"/dev-out/cuda/*.xz; do
+for f in "$pack"/*.xz; do
     out="$bin/$(basename "$f" .xz)"
     [ -x "$out" ] || { xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"; chmod +x "$out"; }
 done
