@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # On the device machine: unpacks what scripts/gpu-pack.sh left in dev-out/cuda/ (or
-# $DEEPINFER_PACK_DIR), finds the CUDA
-# libraries (NVRTC, cuBLAS) of the image, then runs what is asked:
+# $DEEPINFER_PACK_DIR), finds the CUDA libraries (NVRTC, cuBLAS) of the image, then runs what is asked:
 #
 #   scripts/gpu-run.sh tests              GPU kernel and model tests
 #   scripts/gpu-run.sh bench ARGS...      deepinfer bench ARGS... (add --device cuda)
@@ -10,11 +9,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 pack="${DEEPINFER_PACK_DIR:-dev-out/cuda}"
 case "$pack" in /*) ;; *) pack="$root/$pack" ;; esac
-bin=/tmp/deepinfer-bin
+# Unpacked afresh on every call: a warm machine may still hold another pack's binaries.
+bin=/tmp/deepinfer-bin/$(basename "$pack")
+rm -rf "$bin"
 mkdir -p "$bin"
 for f in "$pack"/*.xz; do
     out="$bin/$(basename "$f" .xz)"
-    [ -x "$out" ] || { xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"; chmod +x "$out"; }
+    xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"
+    chmod +x "$out"
 done
 # The driver's folder first (a CUDA "stubs" folder holds a fake libcuda.so), then the toolkit's.
 libdirs=$( (find / -xdev -name 'libcuda.so.1' -printf '%h\n' 2>/dev/null | grep -v stubs;
