@@ -11,7 +11,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 cargo build --release --features cuda
 # The test binaries' paths are printed by cargo as "Executable ... (target/release/deps/NAME-HASH)".
-tests=$(cargo test --release --features cuda -p deepinfer --test gpu_kernels --test gpu_model --no-run 2>&1 |
+tests=$(cargo test --release --features cuda -p deepinfer --test gpu_kernels --test gpu_model --test gpu_deepseek --no-run 2>&1 |
     sed -n 's/.*Executable .*(\(target[^)]*\)).*/\1/p')
 out="${DEEPINFER_PACK_DIR:-dev-out/cuda}"
 mkdir -p "$out"

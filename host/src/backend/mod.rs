@@ -14,6 +14,8 @@ use crate::error::Result;
 use crate::ids::TokenId;
 use crate::model::batch::Batch;
 use crate::model::hparams::RopeSpec;
+use crate::model::mla::{MlaParams, MlaWeights};
+use crate::model::moe::{ExpertLoad, MoeLayer};
 use crate::tensor::Weight;
 
 /// Shape and masking of one attention layer.
@@ -50,6 +52,9 @@ pub trait Backend: Send + Sync + 'static {
     type Kv: Send + 'static;
     /// Per-step batch layout, prepared once per forward pass.
     type Step;
+    /// Paged latent cache of multi-head latent attention (per token and layer: the
+    /// normalized latent and the rotated rope key).
+    type MlaKv: Send + 'static;
 
     /// Human-readable device description (for benchmark records).
     fn device_name(&self) -> String;
@@ -104,6 +109,58 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Buf,
         out: &mut Self::Buf,
     ) -> Result<()>;
+    /// A latent cache of `layers` layers in `num_blocks` blocks of `block_size` tokens, each
+    /// token `width` (= latent + rope) values.
+    fn new_mla_kv(
+        &self,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        width: usize,
+    ) -> Result<Self::MlaKv>;
+    /// Bytes per value of the latent cache (for the KV manager's sizing).
+    fn mla_kv_value_bytes(&self) -> usize {
+        4
+    }
+    /// One multi-head latent attention layer: normalizes the latents of `kva`
+    /// (`[n, latent + rope]`, the `kv_a_proj_with_mqa` output), rotates the rope key and the
+    /// queries' rope parts (`q`: `[n, heads, nope + rope]`, rotated in place) by position,
+    /// writes latent and rope key into `layer` of the cache, then attends every query token
+    /// over its sequence's cached tokens (absorbed or expanded form, `p.path`), writing
+    /// `out` (`[n, heads * v]`).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(
+        &self,
+        step: &mut Self::Step,
+        kv: &mut Self::MlaKv,
+        layer: usize,
+        p: &MlaParams,
+        w: &MlaWeights<'_, Self::Weight>,
+        q: &mut Self::Buf,
+        kva: &Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `out = moe(x)` for `n` rows of width `d` (routed experts weighted by the router plus
+    /// the shared experts). The default routes on the host and runs one product per expert
+    /// through [`Backend::matmul`] ([`MoeLayer::forward`]).
+    fn moe(
+        &self,
+        layer: &MoeLayer<Self::Weight>,
+        x: &Self::Buf,
+        tokens: &[TokenId],
+        n: usize,
+        d: usize,
+        out: &mut Self::Buf,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        layer.forward(self, x, tokens, n, d, out)
+    }
+    /// The expert-load counters of `layer` (see [`MoeLayer::load`]).
+    fn expert_load(&self, layer: &MoeLayer<Self::Weight>) -> Result<ExpertLoad> {
+        Ok(layer.load())
+    }
     /// Copies rows `rows` (each `width` floats) of `x` into `out`, in order.
     fn gather_rows(
         &self,

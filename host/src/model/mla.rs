@@ -44,6 +44,103 @@ impl MlaDims {
     }
 }
 
+/// Everything an MLA attention operation needs besides its buffers and weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MlaParams {
+    pub dims: MlaDims,
+    /// Softmax scale (YaRN's mscale correction included).
+    pub scale: f32,
+    /// YaRN's cos/sin factor (1 without YaRN).
+    pub rope_scale: f32,
+    /// Rotary pairs are adjacent dims (DeepSeek) rather than halves.
+    pub interleaved: bool,
+    /// Epsilon of `kv_a_layernorm`.
+    pub eps: f32,
+    pub path: MlaPath,
+}
+
+/// The prepared weights an MLA attention operation reads (backend weight type `W`).
+pub struct MlaWeights<'a, W> {
+    /// `kv_a_layernorm` gain (a vector of `latent` floats).
+    pub kv_a_norm: &'a W,
+    /// `kv_b_proj`, `[heads * (nope + v), latent]`.
+    pub kv_b: &'a W,
+    /// Rotary inverse frequencies (a vector of `rope / 2` floats, YaRN-corrected).
+    pub inv_freq: &'a W,
+}
+
+/// The host form of one MLA layer (what the CPU backend runs): normalizes the latents of
+/// `kva` (`[n, latent + rope]`, the `kv_a_proj_with_mqa` output), rotates the rope key and the
+/// queries' rope parts in place by each token's position, writes the cache and attends.
+#[allow(clippy::too_many_arguments)]
+pub fn host_layer(
+    p: &MlaParams,
+    kv: &mut MlaKv,
+    layer: usize,
+    batch: &Batch,
+    kv_a_norm: &[f32],
+    kv_b: &[f32],
+    inv_freq: &[f32],
+    q: &mut [f32],
+    kva: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    let d = &p.dims;
+    let n = batch.n_tokens();
+    let (r, dr) = (d.latent, d.rope);
+    if kva.len() < n * (r + dr) || q.len() < n * d.q_width() || out.len() < n * d.heads * d.v {
+        return Err(Error::BadRequest(format!(
+            "MLA buffers too small for {n} tokens of {d:?}"
+        )));
+    }
+    if kv_a_norm.len() != r || inv_freq.len() * 2 != dr {
+        return Err(Error::BadConfig(format!(
+            "MLA weights disagree with {d:?}: kv_a_layernorm {}, {} rotary frequencies",
+            kv_a_norm.len(),
+            inv_freq.len()
+        )));
+    }
+    let mut latent = Vec::with_capacity(n * r);
+    let mut k_pe = Vec::with_capacity(n * dr);
+    for row in kva[..n * (r + dr)].chunks_exact(r + dr) {
+        latent.extend_from_slice(&row[..r]);
+        k_pe.extend_from_slice(&row[r..]);
+    }
+    rms_norm_rows(&mut latent, kv_a_norm, p.eps);
+    let qk = d.nope + d.rope;
+    for (t, &pos) in batch.positions().iter().enumerate() {
+        rotate(
+            &mut k_pe[t * dr..(t + 1) * dr],
+            pos,
+            inv_freq,
+            p.rope_scale,
+            p.interleaved,
+        );
+        for h in 0..d.heads {
+            let base = (t * d.heads + h) * qk + d.nope;
+            rotate(
+                &mut q[base..base + dr],
+                pos,
+                inv_freq,
+                p.rope_scale,
+                p.interleaved,
+            );
+        }
+    }
+    kv.write(layer, batch, &latent, &k_pe)?;
+    attention(
+        p.path,
+        d,
+        kv,
+        layer,
+        batch,
+        &q[..n * d.q_width()],
+        kv_b,
+        p.scale,
+        &mut out[..n * d.heads * d.v],
+    )
+}
+
 /// Paged latent cache: `[layers][num_blocks * block_size][latent + rope]` floats.
 pub struct MlaKv {
     layers: usize,

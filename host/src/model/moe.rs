@@ -319,6 +319,9 @@ pub struct MoeLayer<W> {
     pub experts: Vec<Mlp<W>>,
     pub shared: Option<Mlp<W>>,
     load: Mutex<ExpertLoad>,
+    /// Backend-private state made on first use (the CUDA backend keeps its expert pointer
+    /// tables and device-side load counters here).
+    pub device: std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl<W> MoeLayer<W> {
@@ -358,12 +361,25 @@ impl<W> MoeLayer<W> {
             experts,
             shared,
             load: Mutex::new(load),
+            device: std::sync::OnceLock::new(),
         })
     }
 
     /// Expert-load counters (a copy).
     pub fn load(&self) -> ExpertLoad {
         self.load.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Counts one step whose per-expert tokens a backend keeps itself (see
+    /// [`Backend::expert_load`]); returns the steps so far.
+    pub fn count_device_step(&self) -> u64 {
+        match self.load.lock() {
+            Ok(mut l) => {
+                l.steps += 1;
+                l.steps
+            }
+            Err(_) => 0,
+        }
     }
 
     /// Routes `n` tokens of `x` (`[n, d]`).

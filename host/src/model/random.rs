@@ -75,6 +75,79 @@ pub const SHAPES: &[Shape] = &[
     },
 ];
 
+/// DeepSeek-V3-architecture shapes `--random-weights` knows, as HF `config.json` values.
+/// `moonlight-16b-a3b`: moonshotai/Moonlight-16B-A3B (27 layers, the first dense; 64 routed
+/// experts, top 6 without group limit, 2 shared; MLA with kv_lora_rank 512 and no q_lora).
+pub const DEEPSEEK_SHAPES: &[&str] = &["moonlight-16b-a3b"];
+
+/// The `config.json` of a DeepSeek-V3-architecture shape.
+pub fn deepseek_shape(name: &str) -> Option<serde_json::Value> {
+    match name {
+        "moonlight-16b-a3b" => Some(serde_json::json!({
+            "model_type": "deepseek_v3",
+            "hidden_size": 2048,
+            "num_hidden_layers": 27,
+            "first_k_dense_replace": 1,
+            "intermediate_size": 11264,
+            "moe_intermediate_size": 1408,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "n_shared_experts": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": true,
+            "routed_scaling_factor": 2.446,
+            "moe_layer_freq": 1,
+            "kv_lora_rank": 512,
+            "q_lora_rank": null,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 163840,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 50000.0,
+            "tie_word_embeddings": false,
+            "num_nextn_predict_layers": 0,
+            "hidden_act": "silu",
+        })),
+        _ => None,
+    }
+}
+
+/// Weight bytes one token reads in a decode step of a bf16 DeepSeek-V3 model (every weight
+/// a token touches once: embedding row, attention projections, the dense FFNs, router gates,
+/// `top_k` routed and the shared experts of each MoE layer, the output head; f32 norm gains),
+/// the KV cache excluded. This is the numerator of the batch-1 memory floor.
+pub fn deepseek_active_bytes(c: &super::deepseek_config::DeepseekV3Config) -> usize {
+    let (d, h) = (c.hidden, c.n_heads);
+    let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+    let q = match c.q_lora_rank {
+        None => h * qk * d,
+        Some(r) => r * d + h * qk * r,
+    };
+    let kv_a = (c.kv_lora_rank + c.qk_rope_head_dim) * d;
+    let kv_b = h * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank;
+    let o = d * h * c.v_head_dim;
+    let attn = 2 * (q + kv_a + kv_b + o);
+    let norms = 4 * (2 * d + c.kv_lora_rank + c.q_lora_rank.unwrap_or(0));
+    let mut total = 2 * d + 2 * c.vocab * d + 4 * d;
+    for i in 0..c.n_layers {
+        let ffn = if c.is_moe_layer(i) {
+            let e = c.router.n_experts;
+            2 * (e * d + 3 * d * c.moe_intermediate * (c.router.top_k + c.n_shared_experts)) + 4 * e
+        } else {
+            2 * 3 * d * c.intermediate
+        };
+        total += attn + norms + ffn;
+    }
+    total
+}
+
 /// Looks a shape up by name.
 pub fn shape(name: &str) -> Result<Shape> {
     SHAPES
@@ -82,7 +155,8 @@ pub fn shape(name: &str) -> Result<Shape> {
         .copied()
         .find(|s| s.name == name)
         .ok_or_else(|| {
-            let known: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+            let mut known: Vec<&str> = SHAPES.iter().map(|s| s.name).collect();
+            known.extend(DEEPSEEK_SHAPES);
             Error::BadConfig(format!(
                 "unknown random-weights shape `{name}` (known: {})",
                 known.join(", ")
@@ -248,6 +322,23 @@ fn byte_tokenizer() -> Result<super::tokenizer::Tokenizer> {
 
 /// Builds a random-weight model of shape `name` on `device`.
 pub fn load(name: &str, seed: u64, device: Device) -> Result<LoadedModel> {
+    if let Some(json) = deepseek_shape(name) {
+        let cfg = super::deepseek_config::DeepseekV3Config::from_json(&json)?;
+        let src = RandomWeights {
+            seed,
+            tie_embeddings: false,
+        };
+        tracing::info!(
+            "{name}: {:.3} GB of bf16 weights active per decode token",
+            deepseek_active_bytes(&cfg) as f64 / 1e9
+        );
+        return Ok(LoadedModel {
+            path: PathBuf::from(format!("random:{name}")),
+            model: arch::build_deepseek_v3(cfg, &src, device)?,
+            tokenizer: byte_tokenizer()?,
+            chat_template: None,
+        });
+    }
     let s = shape(name)?;
     let src = RandomWeights {
         seed,
@@ -291,6 +382,23 @@ mod tests {
         let p = shape("llama3-8b").unwrap().params();
         assert!((8_000_000_000..8_100_000_000).contains(&p), "{p}");
         assert!(shape("nope").is_err());
+    }
+
+    #[test]
+    fn moonlight_shape_parses_and_counts_its_active_bytes() {
+        let json = deepseek_shape("moonlight-16b-a3b").unwrap();
+        let c = crate::model::deepseek_config::DeepseekV3Config::from_json(&json).unwrap();
+        assert_eq!(
+            (c.n_layers, c.router.n_experts, c.router.top_k),
+            (27, 64, 6)
+        );
+        assert_eq!(c.q_lora_rank, None);
+        // per MoE layer: 8 x 3 x 2048 x 1408 expert weights + the 64 x 2048 gate (bf16) and
+        // 16 x 192 x 2048 + 576 x 2048 + 16 x 256 x 512 + 2048 x 2048 attention weights
+        let b = deepseek_active_bytes(&c);
+        eprintln!("moonlight-16b-a3b: {b} active bytes per decode token");
+        assert!((5_100_000_000..5_200_000_000).contains(&b), "{b}");
+        assert!(deepseek_shape("nope").is_none());
     }
 
     #[test]

@@ -63,6 +63,25 @@ impl CpuBackend {
 pub struct CpuWeight {
     pub w: Weight,
     vector: Option<Vec<f32>>,
+    /// The whole matrix in f32, made on first use by [`CpuWeight::dense`].
+    dense: std::sync::OnceLock<Arc<Vec<f32>>>,
+}
+
+impl CpuWeight {
+    /// The matrix dequantized to f32 (`rows * cols`, row-major), computed once.
+    pub fn dense(&self) -> Arc<Vec<f32>> {
+        self.dense
+            .get_or_init(|| {
+                let w = &self.w;
+                let mut v = vec![0.0f32; w.rows * w.cols];
+                let rb = w.row_bytes();
+                for (r, out) in v.chunks_exact_mut(w.cols.max(1)).enumerate() {
+                    quant::dequantize_row(w.dtype, &w.bytes()[r * rb..(r + 1) * rb], out);
+                }
+                Arc::new(v)
+            })
+            .clone()
+    }
 }
 
 thread_local! {
@@ -110,6 +129,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Kv = PagedKv;
     type Step = CpuStep;
+    type MlaKv = crate::model::mla::MlaKv;
 
     fn device_name(&self) -> String {
         format!("cpu ({} threads)", self.pool.n_threads())
@@ -126,6 +146,7 @@ impl Backend for CpuBackend {
         Ok(CpuWeight {
             w: w.clone(),
             vector,
+            dense: std::sync::OnceLock::new(),
         })
     }
 
@@ -263,6 +284,47 @@ impl Backend for CpuBackend {
             &mut out[..qn],
         );
         Ok(())
+    }
+
+    fn new_mla_kv(
+        &self,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        width: usize,
+    ) -> Result<Self::MlaKv> {
+        crate::model::mla::MlaKv::new(layers, num_blocks, block_size, width)
+    }
+
+    fn mla_attention(
+        &self,
+        step: &mut CpuStep,
+        kv: &mut Self::MlaKv,
+        layer: usize,
+        p: &crate::model::mla::MlaParams,
+        w: &crate::model::mla::MlaWeights<'_, CpuWeight>,
+        q: &mut Vec<f32>,
+        kva: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let vector = |w: &CpuWeight, what: &str| {
+            w.vector
+                .clone()
+                .ok_or_else(|| Error::BadConfig(format!("MLA {what} is not a vector")))
+        };
+        let kv_b = w.kv_b.dense();
+        crate::model::mla::host_layer(
+            p,
+            kv,
+            layer,
+            &step.batch,
+            &vector(w.kv_a_norm, "kv_a_layernorm")?,
+            &kv_b,
+            &vector(w.inv_freq, "rotary frequency table")?,
+            q,
+            kva,
+            out,
+        )
     }
 
     fn gather_rows(

@@ -11,7 +11,9 @@ mod attention;
 mod blas;
 mod device;
 mod matmul;
+mod mla;
 pub mod module;
+mod moe;
 mod ops;
 mod queue;
 mod readback;
@@ -35,6 +37,7 @@ use device::{cuda_err, DevMem, Pool};
 use module::Module;
 use queue::{Op, Queue};
 
+pub use mla::CudaMlaKv;
 pub use queue::QueueStats;
 pub use step::CudaStep;
 pub use weights::{CudaKv, CudaWeight};
@@ -366,6 +369,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Kv = CudaKv;
     type Step = CudaStep;
+    type MlaKv = CudaMlaKv;
 
     fn device_name(&self) -> String {
         self.inner.name.clone()
@@ -452,6 +456,57 @@ impl Backend for CudaBackend {
 
     fn to_host(&self, x: &CudaBuf) -> Result<Vec<f32>> {
         ops::to_host(&self.inner, x)
+    }
+
+    fn new_mla_kv(
+        &self,
+        layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        width: usize,
+    ) -> Result<CudaMlaKv> {
+        mla::new_kv(&self.inner, layers, num_blocks, block_size, width)
+    }
+
+    fn mla_kv_value_bytes(&self) -> usize {
+        self.inner.act().size()
+    }
+
+    fn mla_attention(
+        &self,
+        step: &mut CudaStep,
+        kv: &mut CudaMlaKv,
+        layer: usize,
+        p: &crate::model::mla::MlaParams,
+        w: &crate::model::mla::MlaWeights<'_, CudaWeight>,
+        q: &mut CudaBuf,
+        kva: &CudaBuf,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        mla::attention(&self.inner, step, kv, layer, p, w, q, kva, out)
+    }
+
+    fn moe(
+        &self,
+        layer: &crate::model::moe::MoeLayer<CudaWeight>,
+        x: &CudaBuf,
+        tokens: &[TokenId],
+        n: usize,
+        d: usize,
+        out: &mut CudaBuf,
+    ) -> Result<()> {
+        moe::forward(self, layer, x, tokens, n, d, out)
+    }
+
+    fn expert_load(
+        &self,
+        layer: &crate::model::moe::MoeLayer<CudaWeight>,
+    ) -> Result<crate::model::moe::ExpertLoad> {
+        moe::load(&self.inner, layer)
+    }
+
+    fn upload(&self, x: &[f32]) -> Result<CudaBuf> {
+        ops::from_host(&self.inner, x)
     }
 
     fn argmax_rows(&self, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {

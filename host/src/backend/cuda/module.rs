@@ -32,6 +32,8 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/attention_prefill.cu"),
     ),
     ("sample.cu", include_str!("../../../../kernels/sample.cu")),
+    ("mla.cu", include_str!("../../../../kernels/mla.cu")),
+    ("moe.cu", include_str!("../../../../kernels/moe.cu")),
 ];
 
 /// NVRTC options besides the architecture.
@@ -157,6 +159,20 @@ pub struct ActKernels {
     pub topk: KernelId,
 }
 
+/// The MLA and MoE kernels (`kernels/mla.cu`, `kernels/moe.cu`) of one activation type; pairs
+/// are by weight type (f32, bf16).
+#[derive(Debug, Clone)]
+pub struct DeepseekKernels {
+    pub mla_prep: KernelId,
+    pub mla_q_absorb: [KernelId; 2],
+    pub mla_decode: KernelId,
+    pub mla_v_up: [KernelId; 2],
+    pub moe_route: KernelId,
+    pub moe_gateup: [KernelId; 2],
+    pub moe_down: [KernelId; 2],
+    pub moe_combine: KernelId,
+}
+
 /// Query heads per block of the decode attention instantiations (`MAXG`).
 pub const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 
@@ -176,6 +192,9 @@ pub struct Module {
     pub rope_table: KernelId,
     pub weight_to_bf16: KernelId,
     pub weight_to_f32: KernelId,
+    /// By activation type (f32, bf16).
+    pub deepseek: [DeepseekKernels; 2],
+    pub moe_plan: KernelId,
 }
 
 impl Module {
@@ -252,6 +271,21 @@ impl Module {
         let rope_table = get("rope_table".into())?;
         let weight_to_bf16 = get("weight_to_bf16".into())?;
         let weight_to_f32 = get("weight_to_f32".into())?;
+        let mut ds = |s: &str| -> Result<DeepseekKernels> {
+            let mut n = |b: &str| get(format!("{b}_{s}"));
+            Ok(DeepseekKernels {
+                mla_prep: n("mla_prep")?,
+                mla_q_absorb: [n("mla_q_absorb_wf32")?, n("mla_q_absorb_wbf16")?],
+                mla_decode: n("mla_decode")?,
+                mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
+                moe_route: n("moe_route")?,
+                moe_gateup: [n("moe_gateup_wf32")?, n("moe_gateup_wbf16")?],
+                moe_down: [n("moe_down_wf32")?, n("moe_down_wbf16")?],
+                moe_combine: n("moe_combine")?,
+            })
+        };
+        let deepseek = [ds("f32")?, ds("bf16")?];
+        let moe_plan = get("moe_plan".into())?;
         for (k, d) in f32
             .attn_prefill2
             .iter()
@@ -278,6 +312,8 @@ impl Module {
             rope_table,
             weight_to_bf16,
             weight_to_f32,
+            deepseek,
+            moe_plan,
         })
     }
 
@@ -315,6 +351,9 @@ mod tests {
             "attn_decode_d64_g4_bf16",
             "topk_f32",
             "rms_norm_f32",
+            "mla_decode_bf16",
+            "moe_gateup_wbf16_bf16",
+            "moe_plan",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),

@@ -6,8 +6,10 @@
 //!
 //! Weight names stay the checkpoint's (`model.layers.N.self_attn.kv_a_proj_with_mqa.weight`,
 //! `model.layers.N.mlp.experts.E.gate_proj.weight`, MTP layer `L` at index `num_hidden_layers + L`
-//! with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`). Dense products run on the backend;
-//! routing and MLA attention run on the host (see [`crate::model::mla`]).
+//! with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`). Everything runs through the
+//! [`Backend`] trait: MLA attention over the backend's latent cache
+//! ([`Backend::mla_attention`]), the MoE layers through [`Backend::moe`]; the same file drives
+//! the CPU and the CUDA backend.
 
 use std::path::Path;
 
@@ -17,7 +19,7 @@ use crate::kv_cache::{KvCacheLayout, KvCacheSpec, LayerGroup};
 use crate::model::batch::Batch;
 use crate::model::deepseek_config::DeepseekV3Config;
 use crate::model::hparams::{rope_inv_freq, ModelConfig};
-use crate::model::mla::{self, MlaDims, MlaKv, MlaPath};
+use crate::model::mla::{MlaDims, MlaParams, MlaPath, MlaWeights};
 use crate::model::moe::{ExpertLoad, Mlp, MoeLayer, Router};
 use crate::model::{CausalLm, KvCache, WeightSource};
 
@@ -33,10 +35,10 @@ enum QProj<W> {
 struct Attn<W> {
     q: QProj<W>,
     kv_a: W,
-    /// `kv_a_layernorm` gain on the host (the latent is normalized there).
-    kv_a_norm: Vec<f32>,
-    /// `kv_b_proj` as host f32 `[heads * (nope + v), kv_lora_rank]` (both MLA forms read it).
-    kv_b: Vec<f32>,
+    /// `kv_a_layernorm` gain.
+    kv_a_norm: W,
+    /// `kv_b_proj`, `[heads * (nope + v), kv_lora_rank]` (both MLA forms read it).
+    kv_b: W,
     o: W,
 }
 
@@ -70,7 +72,8 @@ pub struct DeepseekV3<B: Backend> {
     norm: B::Weight,
     lm_head: Option<B::Weight>,
     mtp: Vec<Mtp<B::Weight>>,
-    inv_freq: Vec<f32>,
+    /// Rotary inverse frequencies (YaRN-corrected), a vector weight.
+    inv_freq: B::Weight,
     rope_scale: f32,
     softmax_scale: f32,
     path: MlaPath,
@@ -120,21 +123,19 @@ impl<B: Backend> Loader<'_, B> {
             },
         };
         let r = c.kv_lora_rank;
-        let kv_b = self.src.weight(
+        let kv_b = self.get(
             &format!("{p}.kv_b_proj.weight"),
             &[h * (c.qk_nope_head_dim + c.v_head_dim), r],
         )?;
-        let kv_a_norm = self
-            .src
-            .weight(&format!("{p}.kv_a_layernorm.weight"), &[r])?;
+        let kv_a_norm = self.get(&format!("{p}.kv_a_layernorm.weight"), &[r])?;
         Ok(Attn {
             q,
             kv_a: self.get(
                 &format!("{p}.kv_a_proj_with_mqa.weight"),
                 &[r + c.qk_rope_head_dim, d],
             )?,
-            kv_a_norm: host_f32(&kv_a_norm),
-            kv_b: host_f32(&kv_b),
+            kv_a_norm,
+            kv_b,
             o: self.get(&format!("{p}.o_proj.weight"), &[d, h * c.v_head_dim])?,
         })
     }
@@ -184,7 +185,7 @@ impl<B: Backend> Loader<'_, B> {
 impl<B: Backend> DeepseekV3<B> {
     /// Loads the model from `src`. MTP layers are loaded when their tensors are present.
     pub fn load(cfg: DeepseekV3Config, src: &dyn WeightSource, backend: B) -> Result<Self> {
-        // the host steps (routing, MLA) need uploads: fail now rather than mid-forward
+        // the MTP layers take host hidden states: fail now rather than mid-forward
         backend.upload(&[0.0])?;
         let l = Loader {
             cfg: &cfg,
@@ -233,6 +234,11 @@ impl<B: Backend> DeepseekV3<B> {
                 1.0,
             ),
         };
+        let inv_freq = backend.prepare_weight(&crate::tensor::Weight::from_f32(
+            1,
+            inv_freq.len(),
+            &inv_freq,
+        ))?;
         Ok(DeepseekV3 {
             model_cfg: cfg.model_config(),
             softmax_scale: cfg.softmax_scale(),
@@ -280,7 +286,13 @@ impl<B: Backend> DeepseekV3<B> {
         blocks
             .enumerate()
             .filter_map(|(i, b)| match &b.ffn {
-                Ffn::Moe(m) => Some((i, m.load())),
+                Ffn::Moe(m) => match self.backend.expert_load(m) {
+                    Ok(l) => Some((i, l)),
+                    Err(e) => {
+                        tracing::warn!("expert load of layer {i}: {e}");
+                        None
+                    }
+                },
                 Ffn::Dense(_) => None,
             })
             .collect()
@@ -296,17 +308,28 @@ impl<B: Backend> DeepseekV3<B> {
         }
     }
 
+    fn mla_params(&self) -> MlaParams {
+        MlaParams {
+            dims: self.dims(),
+            scale: self.softmax_scale,
+            rope_scale: self.rope_scale,
+            interleaved: self.cfg.rope_interleave,
+            eps: LATENT_NORM_EPS,
+            path: self.path,
+        }
+    }
+
     fn mla(
         &self,
         a: &Attn<B::Weight>,
         layer: usize,
         h: &B::Buf,
-        batch: &Batch,
-        kv: &mut MlaKv,
+        step: &mut B::Step,
+        n: usize,
+        kv: &mut B::MlaKv,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let c = &self.cfg;
-        let n = batch.n_tokens();
         let dims = self.dims();
         let mut q = be.zeros(n * dims.q_width())?;
         match &a.q {
@@ -322,40 +345,22 @@ impl<B: Backend> DeepseekV3<B> {
         let (r, dr) = (c.kv_lora_rank, c.qk_rope_head_dim);
         let mut kva = be.zeros(n * (r + dr))?;
         be.matmul(&a.kv_a, h, n, &mut kva)?;
-        let kva = be.to_host(&kva)?;
-        let mut q = be.to_host(&q)?;
-        let mut latent = Vec::with_capacity(n * r);
-        let mut k_pe = Vec::with_capacity(n * dr);
-        for row in kva[..n * (r + dr)].chunks_exact(r + dr) {
-            latent.extend_from_slice(&row[..r]);
-            k_pe.extend_from_slice(&row[r..]);
-        }
-        mla::rms_norm_rows(&mut latent, &a.kv_a_norm, LATENT_NORM_EPS);
-        let positions = batch.positions();
-        let qk = c.qk_head_dim();
-        for (t, &p) in positions.iter().enumerate() {
-            let kr = &mut k_pe[t * dr..(t + 1) * dr];
-            mla::rotate(kr, p, &self.inv_freq, self.rope_scale, c.rope_interleave);
-            for hd in 0..c.n_heads {
-                let base = (t * c.n_heads + hd) * qk + c.qk_nope_head_dim;
-                let qr = &mut q[base..base + dr];
-                mla::rotate(qr, p, &self.inv_freq, self.rope_scale, c.rope_interleave);
-            }
-        }
-        kv.write(layer, batch, &latent, &k_pe)?;
-        let mut att = vec![0.0f32; n * c.n_heads * c.v_head_dim];
-        mla::attention(
-            self.path,
-            &dims,
+        let mut att = be.zeros(n * c.n_heads * c.v_head_dim)?;
+        let w = MlaWeights {
+            kv_a_norm: &a.kv_a_norm,
+            kv_b: &a.kv_b,
+            inv_freq: &self.inv_freq,
+        };
+        be.mla_attention(
+            step,
             kv,
             layer,
-            batch,
-            &q,
-            &a.kv_b,
-            self.softmax_scale,
+            &self.mla_params(),
+            &w,
+            &mut q,
+            &kva,
             &mut att,
         )?;
-        let att = be.upload(&att)?;
         let mut o = be.zeros(n * c.hidden)?;
         be.matmul(&a.o, &att, n, &mut o)?;
         Ok(o)
@@ -367,19 +372,20 @@ impl<B: Backend> DeepseekV3<B> {
         layer: usize,
         x: &mut B::Buf,
         batch: &Batch,
-        kv: &mut MlaKv,
+        step: &mut B::Step,
+        kv: &mut B::MlaKv,
     ) -> Result<()> {
         let be = &self.backend;
         let (n, d) = (batch.n_tokens(), self.cfg.hidden);
         let mut h = be.zeros(n * d)?;
         be.rms_norm(x, &b.attn_norm, self.cfg.rms_eps, &mut h)?;
-        let o = self.mla(&b.attn, layer, &h, batch, kv)?;
+        let o = self.mla(&b.attn, layer, &h, step, n, kv)?;
         be.add_assign(x, &o)?;
         be.rms_norm(x, &b.ffn_norm, self.cfg.rms_eps, &mut h)?;
         let mut f = be.zeros(n * d)?;
         match &b.ffn {
             Ffn::Dense(m) => m.forward(be, &h, n, &mut f)?,
-            Ffn::Moe(m) => m.forward(be, &h, &batch.tokens, n, d, &mut f)?,
+            Ffn::Moe(m) => be.moe(m, &h, &batch.tokens, n, d, &mut f)?,
         }
         be.add_assign(x, &f)
     }
@@ -410,11 +416,12 @@ impl<B: Backend> DeepseekV3<B> {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let be = &self.backend;
         let (n, d) = (batch.n_tokens(), self.cfg.hidden);
-        let kv = kv.get_mut::<MlaKv>()?;
+        let mut step = be.prepare_step(batch, kv.block_size())?;
+        let kv = kv.get_mut::<B::MlaKv>()?;
         let mut x = be.zeros(n * d)?;
         be.embed(&self.embed, &batch.tokens, &mut x)?;
         for (i, b) in self.blocks.iter().enumerate() {
-            self.block(b, i, &mut x, batch, kv)?;
+            self.block(b, i, &mut x, batch, &mut step, kv)?;
         }
         let mut normed = be.zeros(n * d)?;
         be.rms_norm(&x, &self.norm, self.cfg.rms_eps, &mut normed)?;
@@ -448,7 +455,8 @@ impl<B: Backend> DeepseekV3<B> {
                 prev_hidden.len()
             )));
         }
-        let kv = kv.get_mut::<MlaKv>()?;
+        let mut step = be.prepare_step(batch, kv.block_size())?;
+        let kv = kv.get_mut::<B::MlaKv>()?;
         let mut e = be.zeros(n * d)?;
         be.embed(&self.embed, &batch.tokens, &mut e)?;
         let mut en = be.zeros(n * d)?;
@@ -468,7 +476,14 @@ impl<B: Backend> DeepseekV3<B> {
         }
         let mut x = be.zeros(n * d)?;
         be.matmul(&m.eh_proj, &be.upload(&cat)?, n, &mut x)?;
-        self.block(&m.block, self.cfg.n_layers + depth, &mut x, batch, kv)?;
+        self.block(
+            &m.block,
+            self.cfg.n_layers + depth,
+            &mut x,
+            batch,
+            &mut step,
+            kv,
+        )?;
         let logits = self.logits(&x, &m.norm, &batch.logits_for)?;
         let mut normed = be.zeros(n * d)?;
         be.rms_norm(&x, &m.norm, self.cfg.rms_eps, &mut normed)?;
@@ -487,12 +502,14 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
 
     fn new_kv(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
         let layers = self.cfg.n_layers + self.mtp.len();
-        let kv = MlaKv::new(layers, num_blocks, block_size, self.cfg.mla_cache_width())?;
+        let kv =
+            self.backend
+                .new_mla_kv(layers, num_blocks, block_size, self.cfg.mla_cache_width())?;
         Ok(KvCache::new(kv, block_size))
     }
 
-    /// One latent-MLA group over the main and MTP layers: per token and layer, the f32 latent
-    /// and the shared rope key.
+    /// One latent-MLA group over the main and MTP layers: per token and layer, the latent and
+    /// the shared rope key (f32 on the CPU; the activation type on CUDA).
     fn kv_layout(&self, block_size: usize) -> KvCacheLayout {
         KvCacheLayout {
             block_size,
@@ -501,7 +518,7 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
                 spec: KvCacheSpec::LatentMla {
                     latent_dim: self.cfg.kv_lora_rank,
                     rope_dim: self.cfg.qk_rope_head_dim,
-                    dtype_bytes: std::mem::size_of::<f32>(),
+                    dtype_bytes: self.backend.mla_kv_value_bytes(),
                 },
             }],
         }
@@ -510,11 +527,12 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
         let be = &self.backend;
         let (n, d) = (batch.n_tokens(), self.cfg.hidden);
-        let kv = kv.get_mut::<MlaKv>()?;
+        let mut step = be.prepare_step(batch, kv.block_size())?;
+        let kv = kv.get_mut::<B::MlaKv>()?;
         let mut x = be.zeros(n * d)?;
         be.embed(&self.embed, &batch.tokens, &mut x)?;
         for (i, b) in self.blocks.iter().enumerate() {
-            self.block(b, i, &mut x, batch, kv)?;
+            self.block(b, i, &mut x, batch, &mut step, kv)?;
         }
         self.logits(&x, &self.norm, &batch.logits_for)
     }

@@ -1,0 +1,285 @@
+//! Multi-head latent attention on the device (`kernels/mla.cu`): the paged latent cache and
+//! the launcher of one layer's attention (prep, query absorption, split-KV decode over the
+//! latents, merge + V up-projection). It checks shapes and queues launches; it must not know
+//! about checkpoints.
+//!
+//! The cache holds, per layer, `[num_blocks * block_size, latent + rope]` values of the
+//! activation type: f32 for f32 models (so the tiny fp32 checkpoints agree with the CPU to
+//! f32 rounding), bf16 for bf16 models (half the bytes the decode kernel streams; the latent
+//! is the product of a bf16 projection anyway).
+
+use std::sync::Arc;
+
+use super::device::DevMem;
+use super::ops::check;
+use super::queue::Op;
+use super::step::CudaStep;
+use super::weights::WType;
+use super::{Act, CudaBuf, CudaWeight, Inner};
+use crate::error::{Error, Result};
+use crate::model::mla::{MlaParams, MlaPath, MlaWeights};
+
+/// Most latent + rope values per token the decode kernel takes (`MLA_MAXW`).
+pub const MLA_MAX_WIDTH: usize = 576;
+/// Query heads per decode block (`MLA_HEADS`).
+const MLA_HEADS: usize = 16;
+/// Blocks the decode kernel aims to launch (two waves of 132 SMs).
+const TARGET_BLOCKS: usize = 264;
+
+/// The paged latent cache on the device.
+pub struct CudaMlaKv {
+    layers: Vec<DevMem>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub width: usize,
+    pub act: Act,
+    inner: Arc<Inner>,
+}
+
+impl Drop for CudaMlaKv {
+    fn drop(&mut self) {
+        for m in self.layers.drain(..) {
+            self.inner.retire(m);
+        }
+    }
+}
+
+pub(crate) fn new_kv(
+    inner: &Arc<Inner>,
+    layers: usize,
+    num_blocks: usize,
+    block_size: usize,
+    width: usize,
+) -> Result<CudaMlaKv> {
+    if block_size == 0 {
+        return Err(Error::BadConfig("KV block_size must be at least 1".into()));
+    }
+    let act = inner.act();
+    let bytes = num_blocks
+        .checked_mul(block_size)
+        .and_then(|x| x.checked_mul(width))
+        .and_then(|x| x.checked_mul(act.size()))
+        .ok_or_else(|| Error::BadConfig("MLA cache size overflows".into()))?;
+    let mut mems = Vec::with_capacity(layers);
+    for _ in 0..layers {
+        let m = DevMem::alloc(&inner.ctx, bytes)?;
+        m.zero(&inner.stream)?;
+        mems.push(m);
+    }
+    Ok(CudaMlaKv {
+        layers: mems,
+        num_blocks,
+        block_size,
+        width,
+        act,
+        inner: inner.clone(),
+    })
+}
+
+/// Key splits per (token, head group): enough blocks to fill the GPU, at least 64 keys each;
+/// depends on the context only through its power-of-two bucket (decode steps keep one shape).
+pub fn splits_for(blocks: usize, max_ctx: usize) -> usize {
+    let by_gpu = TARGET_BLOCKS.div_ceil(blocks.max(1));
+    let by_ctx = max_ctx.next_power_of_two().div_ceil(64);
+    by_gpu.min(by_ctx).clamp(1, 64)
+}
+
+fn weight_index(w: &CudaWeight, what: &str) -> Result<usize> {
+    match w.wtype {
+        WType::F32 => Ok(0),
+        WType::Bf16 => Ok(1),
+        other => Err(Error::BadConfig(format!(
+            "MLA on CUDA reads {what} as f32 or bf16, not {other:?}"
+        ))),
+    }
+}
+
+fn launch(
+    inner: &Inner,
+    kernel: super::module::KernelId,
+    grid: [u32; 3],
+    block: u32,
+    args: Vec<u64>,
+) {
+    inner.push(Op::Launch {
+        kernel,
+        grid,
+        block,
+        smem: 0,
+        args,
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    inner: &Arc<Inner>,
+    step: &CudaStep,
+    kv: &mut CudaMlaKv,
+    layer: usize,
+    p: &MlaParams,
+    w: &MlaWeights<'_, CudaWeight>,
+    q: &mut CudaBuf,
+    kva: &CudaBuf,
+    out: &mut CudaBuf,
+) -> Result<()> {
+    let n = step.n_tokens;
+    if n == 0 {
+        return Ok(());
+    }
+    if p.path == MlaPath::Expanded {
+        return Err(Error::BadConfig(
+            "the CUDA backend runs MLA in the absorbed form only (MlaPath::Expanded is CPU-only)"
+                .into(),
+        ));
+    }
+    let d = p.dims;
+    let (r, dr, heads) = (d.latent, d.rope, d.heads);
+    let width = r + dr;
+    if width != kv.width || width > MLA_MAX_WIDTH || dr % 2 != 0 || heads == 0 {
+        return Err(Error::BadConfig(format!(
+            "MLA on CUDA: latent {r} + rope {dr} (cache width {}) must be at most {MLA_MAX_WIDTH} with an even rope part",
+            kv.width
+        )));
+    }
+    if kv.act != inner.act() {
+        return Err(Error::BadRequest(
+            "MLA cache was made for another activation type".into(),
+        ));
+    }
+    if step.block_size != kv.block_size || step.max_block as usize >= kv.num_blocks {
+        return Err(Error::BadRequest(format!(
+            "MLA step uses blocks of {} up to id {}, the cache has {} blocks of {}",
+            step.block_size, step.max_block, kv.num_blocks, kv.block_size
+        )));
+    }
+    let cache = kv.layers.get(layer).map(|m| m.ptr).ok_or_else(|| {
+        Error::BadRequest(format!(
+            "MLA cache has {} layers, layer {layer} asked",
+            kv.layers.len()
+        ))
+    })?;
+    let kvb_rows = heads * (d.nope + d.v);
+    if w.kv_b.rows != kvb_rows || w.kv_b.cols != r {
+        return Err(Error::BadConfig(format!(
+            "kv_b_proj is {}x{}, MLA needs {kvb_rows}x{r}",
+            w.kv_b.rows, w.kv_b.cols
+        )));
+    }
+    if w.kv_a_norm.rows != 1 || w.kv_a_norm.cols != r || w.inv_freq.cols * 2 != dr {
+        return Err(Error::BadConfig(format!(
+            "MLA vectors disagree with latent {r}, rope {dr}: kv_a_layernorm {}, {} rotary frequencies",
+            w.kv_a_norm.cols, w.inv_freq.cols
+        )));
+    }
+    let wi = weight_index(w.kv_b, "kv_b_proj")?;
+    check("MLA q", q.len(), n * d.q_width())?;
+    check("MLA kv_a output", kva.len(), n * width)?;
+    check("MLA output", out.len(), n * heads * d.v)?;
+    let k = &inner.module.deepseek[match inner.act() {
+        Act::F32 => 0,
+        Act::Bf16 => 1,
+    }];
+    let f = |v: f32| v.to_bits() as u64;
+    launch(
+        inner,
+        k.mla_prep,
+        [n as u32, 1, 1],
+        256,
+        vec![
+            cache,
+            q.ptr(),
+            kva.ptr(),
+            w.kv_a_norm.ptr(),
+            w.inv_freq.ptr(),
+            step.slots(),
+            step.positions(),
+            r as u64,
+            dr as u64,
+            heads as u64,
+            d.nope as u64,
+            f(p.eps),
+            f(p.rope_scale),
+            p.interleaved as u64,
+        ],
+    );
+    let qf = inner.scratch(n * heads * width, 4)?;
+    launch(
+        inner,
+        k.mla_q_absorb[wi],
+        [
+            heads as u32,
+            n.div_ceil(8) as u32,
+            width.div_ceil(128) as u32,
+        ],
+        128,
+        vec![
+            qf.ptr(),
+            q.ptr(),
+            w.kv_b.ptr(),
+            n as u64,
+            heads as u64,
+            d.nope as u64,
+            dr as u64,
+            d.v as u64,
+            r as u64,
+        ],
+    );
+    let groups = heads.div_ceil(MLA_HEADS);
+    let splits = splits_for(n * groups, step.max_ctx);
+    let part_o = inner.scratch(n * heads * splits * r, 4)?;
+    let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
+    launch(
+        inner,
+        k.mla_decode,
+        [n as u32, groups as u32, splits as u32],
+        256,
+        vec![
+            part_o.ptr(),
+            part_ml.ptr(),
+            qf.ptr(),
+            cache,
+            step.tok_seq(),
+            step.positions(),
+            step.tables(),
+            step.width as u64,
+            step.block_size as u64,
+            heads as u64,
+            r as u64,
+            dr as u64,
+            f(p.scale * std::f32::consts::LOG2_E),
+            splits as u64,
+        ],
+    );
+    launch(
+        inner,
+        k.mla_v_up[wi],
+        [heads as u32, n as u32, 1],
+        256,
+        vec![
+            out.ptr(),
+            part_o.ptr(),
+            part_ml.ptr(),
+            w.kv_b.ptr(),
+            heads as u64,
+            d.nope as u64,
+            d.v as u64,
+            r as u64,
+            splits as u64,
+        ],
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::splits_for;
+
+    #[test]
+    fn splits_follow_the_context_bucket() {
+        assert_eq!(splits_for(1, 128), 2);
+        assert_eq!(splits_for(1, 100), 2);
+        assert_eq!(splits_for(1, 4096), 64);
+        assert_eq!(splits_for(64, 4096), 5);
+        assert_eq!(splits_for(1000, 4096), 1);
+    }
+}

@@ -1,0 +1,524 @@
+//! DeepSeek-V3 on the CUDA backend against the CPU backend (and HF transformers' fp32
+//! references): the tiny checkpoints of tests/data/deepseek through a prompt and 16 decode steps
+//! (q_lora on/off, group-limited routing on/off, FP8 weights, the MTP layer, a bf16 copy), and
+//! the MLA and MoE operations on fresh random inputs of odd sizes. Without the `cuda` feature
+//! or a device the tests print why and pass.
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::path::{Path, PathBuf};
+
+    use deepinfer::backend::cpu::CpuBackend;
+    use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions};
+    use deepinfer::backend::Backend;
+    use deepinfer::model::arch::deepseek_v3::DeepseekV3;
+    use deepinfer::model::batch::Batch;
+    use deepinfer::model::mla::{MlaDims, MlaParams, MlaPath, MlaWeights};
+    use deepinfer::model::moe::{Mlp, MoeLayer, Router, RouterConfig, ScoreFunc};
+    use deepinfer::model::CausalLm;
+    use deepinfer::tensor::Weight;
+    use safetensors::SafeTensors;
+
+    fn cuda(act: Option<Act>) -> Option<CudaBackend> {
+        if let Some(why) = unavailable_reason() {
+            eprintln!("skipped: {why}");
+            return None;
+        }
+        let opts = CudaOptions {
+            act,
+            ..CudaOptions::from_env().expect("CUDA options")
+        };
+        Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
+    }
+
+    fn data() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/deepseek")
+    }
+
+    /// Largest difference over the row, relative to the row's largest reference magnitude.
+    fn row_err(got: &[f32], want: &[f32]) -> f64 {
+        assert_eq!(got.len(), want.len());
+        assert!(got.iter().all(|v| v.is_finite()), "non-finite values");
+        let scale = want.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
+        let diff = got
+            .iter()
+            .zip(want)
+            .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
+        diff / scale.max(1e-30)
+    }
+
+    fn max_err(got: &[f32], want: &[f32], width: usize) -> f64 {
+        assert_eq!(got.len(), want.len());
+        got.chunks(width)
+            .zip(want.chunks(width))
+            .map(|(a, b)| row_err(a, b))
+            .fold(0.0, f64::max)
+    }
+
+    struct Reference {
+        tokens: Vec<u32>,
+        prompt_len: usize,
+        vocab: usize,
+        logits: Vec<f32>,
+        mtp_logits: Vec<f32>,
+    }
+
+    fn reference(name: &str) -> Reference {
+        let bytes = std::fs::read(data().join(format!("reference/{name}.safetensors"))).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let f32s = |n: &str| -> (Vec<f32>, Vec<usize>) {
+            let t = st.tensor(n).unwrap();
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (v, t.shape().to_vec())
+        };
+        let i64s = |n: &str| -> Vec<i64> {
+            st.tensor(n)
+                .unwrap()
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        let (logits, shape) = f32s("logits");
+        Reference {
+            tokens: i64s("tokens").iter().map(|&t| t as u32).collect(),
+            prompt_len: i64s("prompt_len")[0] as usize,
+            vocab: shape[1],
+            logits,
+            mtp_logits: f32s("mtp_logits").0,
+        }
+    }
+
+    fn prefill(tokens: &[u32], pos: usize) -> Batch {
+        let mut b = Batch::default();
+        b.push(tokens, pos, vec![0, 1, 2, 3], false);
+        b.logits_for = (0..tokens.len()).collect();
+        b
+    }
+
+    /// The prompt in one pass, then 16 decode steps through the cache: every row's logits.
+    fn drive<B: Backend>(m: &DeepseekV3<B>, r: &Reference) -> Vec<f32> {
+        let mut kv = m.new_kv(4, 16).unwrap();
+        let p = r.prompt_len;
+        let mut out = m.forward(&prefill(&r.tokens[..p], 0), &mut kv).unwrap();
+        for i in p..r.tokens.len() {
+            let mut b = Batch::default();
+            b.push(&r.tokens[i..i + 1], i, vec![0, 1, 2, 3], true);
+            out.extend(m.forward(&b, &mut kv).unwrap());
+        }
+        out
+    }
+
+    fn check_checkpoint(dir: &Path, name: &str, act: Option<Act>, tol_cpu: f64, tol_hf: f64) {
+        let Some(be) = cuda(act) else { return };
+        let r = reference(name);
+        let gpu = DeepseekV3::open(dir, be).expect("loads on CUDA");
+        let cpu = DeepseekV3::open(dir, CpuBackend::new(2)).expect("loads on the CPU");
+        let (g, c) = (drive(&gpu, &r), drive(&cpu, &r));
+        let p = r.prompt_len * r.vocab;
+        let (ep, ed) = (
+            max_err(&g[..p], &c[..p], r.vocab),
+            max_err(&g[p..], &c[p..], r.vocab),
+        );
+        let hf = max_err(&g, &r.logits, r.vocab);
+        eprintln!(
+            "{} {name}: CUDA vs CPU prompt {ep:.2e}, 16 decode steps {ed:.2e}; CUDA vs HF {hf:.2e}",
+            dir.display()
+        );
+        assert!(
+            ep < tol_cpu && ed < tol_cpu,
+            "{name}: CUDA vs CPU {ep:e} / {ed:e}"
+        );
+        assert!(hf < tol_hf, "{name}: CUDA vs HF {hf:e}");
+        // the routing agrees: the same tokens per expert in every MoE layer
+        let (lg, lc) = (gpu.expert_load(), cpu.expert_load());
+        assert_eq!(lg.len(), lc.len());
+        for ((i, a), (_, b)) in lg.iter().zip(&lc) {
+            assert_eq!(a.total, b.total, "layer {i} expert totals");
+            assert_eq!(a.last_step, b.last_step, "layer {i} last step");
+            assert_eq!(a.steps, b.steps, "layer {i} steps");
+        }
+        assert!(lg[0].1.total.iter().sum::<u64>() > 0);
+    }
+
+    #[test]
+    fn q_lora_and_group_limited_routing_match_the_cpu() {
+        check_checkpoint(&data().join("qlora_group"), "qlora_group", None, 1e-4, 2e-4);
+    }
+
+    #[test]
+    fn no_q_lora_and_no_group_limit_match_the_cpu() {
+        let dir = data().join("noqlora_nogroup");
+        check_checkpoint(&dir, "noqlora_nogroup", None, 1e-4, 2e-4);
+    }
+
+    #[test]
+    fn fp8_checkpoint_matches_the_cpu() {
+        check_checkpoint(&data().join("fp8"), "fp8", None, 1e-4, 2e-4);
+    }
+
+    #[test]
+    fn bf16_copy_runs_bf16_on_the_device_and_stays_close() {
+        // every tensor rounded to bf16: bf16 activations and a bf16 latent cache on CUDA
+        let dir = tempfile::tempdir().unwrap();
+        for e in std::fs::read_dir(data().join("qlora_group")).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+        }
+        let p = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&p).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| {
+                let data = t
+                    .data()
+                    .chunks_exact(4)
+                    .flat_map(|c| {
+                        half::bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .to_le_bytes()
+                    })
+                    .collect();
+                (n, t.shape().to_vec(), data)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = converted
+            .iter()
+            .map(|(n, s, d)| {
+                let v =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), d);
+                (n.clone(), v.unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(
+            views,
+            None::<std::collections::HashMap<String, String>>,
+            &p,
+        )
+        .unwrap();
+        check_checkpoint(dir.path(), "qlora_group", None, 5e-2, 6e-2);
+    }
+
+    #[test]
+    fn mtp_layer_matches_hf_on_cuda() {
+        let Some(be) = cuda(None) else { return };
+        let name = "qlora_group";
+        let m = DeepseekV3::open(&data().join(name), be).unwrap();
+        let r = reference(name);
+        let mut kv = m.new_kv(4, 16).unwrap();
+        let (_, hidden) = m
+            .forward_with_hidden(&prefill(&r.tokens, 0), &mut kv)
+            .unwrap();
+        let d = hidden.len() / r.tokens.len();
+        let split = 15;
+        let (logits, _) = m
+            .mtp_forward(
+                0,
+                &prefill(&r.tokens[1..=split], 0),
+                &hidden[..split * d],
+                &mut kv,
+            )
+            .unwrap();
+        let mut err = max_err(&logits, &r.mtp_logits[..split * r.vocab], r.vocab);
+        for i in split..r.tokens.len() - 1 {
+            let mut b = Batch::default();
+            b.push(&r.tokens[i + 1..i + 2], i, vec![0, 1, 2, 3], true);
+            let (l, _) = m
+                .mtp_forward(0, &b, &hidden[i * d..(i + 1) * d], &mut kv)
+                .unwrap();
+            err = err.max(row_err(&l, &r.mtp_logits[i * r.vocab..(i + 1) * r.vocab]));
+        }
+        eprintln!("{name}: CUDA MTP logits vs HF {err:.2e}");
+        assert!(err < 2e-4, "MTP on CUDA: {err:e}");
+    }
+
+    // ---- operations on fresh random inputs ------------------------------------------------
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn fresh(test: &str) -> Rng {
+            let seed = std::env::var("DEEPINFER_TEST_SEED")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(1, |d| d.as_nanos() as u64)
+                });
+            eprintln!("{test}: DEEPINFER_TEST_SEED={seed}");
+            Rng(seed | 1)
+        }
+
+        fn f32(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+
+        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n).map(|_| self.f32() * scale).collect()
+        }
+    }
+
+    struct MlaCase {
+        p: MlaParams,
+        kv_a_norm: Weight,
+        kv_b: Weight,
+        inv_freq: Weight,
+        /// (prefill batch, its q, its kva), then (decode batch, q, kva).
+        steps: Vec<(Batch, Vec<f32>, Vec<f32>)>,
+    }
+
+    /// Three sequences in a paged cache of 8-token blocks: prompts of 1, 67 and 300 tokens
+    /// (the last spans several decode splits), then one decode token each.
+    fn mla_case(rng: &mut Rng, heads: usize, latent: usize) -> MlaCase {
+        let dims = MlaDims {
+            heads,
+            nope: 24,
+            rope: 8,
+            v: 40,
+            latent,
+        };
+        let p = MlaParams {
+            dims,
+            scale: 0.2,
+            rope_scale: 1.1,
+            interleaved: true,
+            eps: 1e-6,
+            path: MlaPath::Absorbed,
+        };
+        let w = latent + dims.rope;
+        let inv: Vec<f32> = (0..dims.rope / 2)
+            .map(|i| 10000f32.powf(-(2.0 * i as f32) / dims.rope as f32))
+            .collect();
+        let lens = [1usize, 67, 300];
+        let tables: Vec<Vec<u32>> = vec![vec![3], (10..20).rev().collect(), (20..60).collect()];
+        let mut steps = Vec::new();
+        let mut pre = Batch::default();
+        for (l, t) in lens.iter().zip(&tables) {
+            pre.push(&vec![1; *l], 0, t.clone(), true);
+        }
+        let mut dec = Batch::default();
+        for (l, t) in lens.iter().zip(&tables) {
+            dec.push(&[2], *l, t.clone(), true);
+        }
+        for b in [pre, dec] {
+            let n = b.n_tokens();
+            let q = rng.vec(n * dims.q_width(), 1.0);
+            let kva = rng.vec(n * w, 1.0);
+            steps.push((b, q, kva));
+        }
+        MlaCase {
+            p,
+            kv_a_norm: Weight::from_f32(1, latent, &rng.vec(latent, 1.0)),
+            kv_b: Weight::from_f32(
+                heads * (dims.nope + dims.v),
+                latent,
+                &rng.vec(heads * (dims.nope + dims.v) * latent, 0.3),
+            ),
+            inv_freq: Weight::from_f32(1, inv.len(), &inv),
+            steps,
+        }
+    }
+
+    /// Runs the case's steps on `be`; returns each step's output.
+    fn run_mla<B: Backend>(be: &B, c: &MlaCase, path: MlaPath) -> Vec<Vec<f32>> {
+        let d = c.p.dims;
+        let mut kv = be.new_mla_kv(2, 64, 8, d.latent + d.rope).unwrap();
+        let (na, kb, fr) = (
+            be.prepare_weight(&c.kv_a_norm).unwrap(),
+            be.prepare_weight(&c.kv_b).unwrap(),
+            be.prepare_weight(&c.inv_freq).unwrap(),
+        );
+        let w = MlaWeights {
+            kv_a_norm: &na,
+            kv_b: &kb,
+            inv_freq: &fr,
+        };
+        let p = MlaParams { path, ..c.p };
+        c.steps
+            .iter()
+            .map(|(b, q, kva)| {
+                let n = b.n_tokens();
+                let mut step = be.prepare_step(b, 8).unwrap();
+                let mut qb = be.upload(q).unwrap();
+                let kb = be.upload(kva).unwrap();
+                let mut out = be.zeros(n * d.heads * d.v).unwrap();
+                be.mla_attention(&mut step, &mut kv, 1, &p, &w, &mut qb, &kb, &mut out)
+                    .unwrap();
+                be.to_host(&out).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn mla_absorbed_kernel_matches_the_cpu_on_random_inputs() {
+        for act in [Act::F32, Act::Bf16] {
+            let Some(be) = cuda(Some(act)) else { return };
+            let mut rng = Rng::fresh("mla");
+            // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths
+            for (heads, latent) in [(5, 40), (21, 72)] {
+                let c = mla_case(&mut rng, heads, latent);
+                let g = run_mla(&be, &c, MlaPath::Absorbed);
+                let cpu = CpuBackend::new(2);
+                let a = run_mla(&cpu, &c, MlaPath::Absorbed);
+                let e = run_mla(&cpu, &c, MlaPath::Expanded);
+                let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
+                for (i, what) in ["prefill", "decode"].iter().enumerate() {
+                    let width = heads * c.p.dims.v;
+                    let (eg, ee) = (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
+                    eprintln!(
+                        "{act:?} {heads} heads, latent {latent}, {what}: CUDA vs CPU absorbed {eg:.2e}, vs CPU expanded {ee:.2e}"
+                    );
+                    assert!(eg < tol && ee < tol, "{act:?} {what}: {eg:e} {ee:e}");
+                }
+            }
+            // the expanded form is CPU-only: asking CUDA for it is an error, not a wrong answer
+            let c = mla_case(&mut rng, 3, 16);
+            let d = c.p.dims;
+            let mut kv = be.new_mla_kv(1, 64, 8, d.latent + d.rope).unwrap();
+            let (na, kb, fr) = (
+                be.prepare_weight(&c.kv_a_norm).unwrap(),
+                be.prepare_weight(&c.kv_b).unwrap(),
+                be.prepare_weight(&c.inv_freq).unwrap(),
+            );
+            let w = MlaWeights {
+                kv_a_norm: &na,
+                kv_b: &kb,
+                inv_freq: &fr,
+            };
+            let (b, q, kva) = &c.steps[0];
+            let mut step = be.prepare_step(b, 8).unwrap();
+            let mut qb = be.upload(q).unwrap();
+            let kvb = be.upload(kva).unwrap();
+            let mut out = be.zeros(b.n_tokens() * d.heads * d.v).unwrap();
+            let p = MlaParams {
+                path: MlaPath::Expanded,
+                ..c.p
+            };
+            assert!(be
+                .mla_attention(&mut step, &mut kv, 0, &p, &w, &mut qb, &kvb, &mut out)
+                .is_err());
+            // a layer outside the cache is an error too
+            let p = c.p;
+            assert!(be
+                .mla_attention(&mut step, &mut kv, 5, &p, &w, &mut qb, &kvb, &mut out)
+                .is_err());
+        }
+    }
+
+    fn moe_layer<B: Backend>(
+        be: &B,
+        cfg: &RouterConfig,
+        host: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+        gate: &[f32],
+        bias: Option<Vec<f32>>,
+        shared: Option<&(Vec<f32>, Vec<f32>, Vec<f32>)>,
+        d: usize,
+        inter: usize,
+    ) -> MoeLayer<B::Weight> {
+        let mlp = |m: &(Vec<f32>, Vec<f32>, Vec<f32>), w: usize| Mlp {
+            gate: be.prepare_weight(&Weight::from_f32(w, d, &m.0)).unwrap(),
+            up: be.prepare_weight(&Weight::from_f32(w, d, &m.1)).unwrap(),
+            down: be.prepare_weight(&Weight::from_f32(d, w, &m.2)).unwrap(),
+            inter: w,
+        };
+        MoeLayer::new(
+            cfg.clone(),
+            Router::Learned {
+                gate: be
+                    .prepare_weight(&Weight::from_f32(cfg.n_experts, d, gate))
+                    .unwrap(),
+                bias,
+            },
+            host.iter().map(|m| mlp(m, inter)).collect(),
+            shared.map(|m| mlp(m, 2 * inter)),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn moe_routing_and_grouped_experts_match_the_cpu_on_random_inputs() {
+        let Some(be) = cuda(Some(Act::F32)) else {
+            return;
+        };
+        let mut rng = Rng::fresh("moe");
+        let (d, inter, e) = (40, 24, 12);
+        for (score, n_group, topk_group, top_k, norm) in [
+            (ScoreFunc::Sigmoid, 4, 2, 3, true),
+            (ScoreFunc::Sigmoid, 1, 1, 5, false),
+            (ScoreFunc::Softmax, 3, 1, 2, false),
+            (ScoreFunc::SqrtSoftplus, 2, 1, 4, true),
+        ] {
+            let cfg = RouterConfig {
+                n_experts: e,
+                top_k,
+                score,
+                n_group,
+                topk_group,
+                norm_topk_prob: norm,
+                scaling: 1.7,
+            };
+            let experts: Vec<_> = (0..e)
+                .map(|_| {
+                    (
+                        rng.vec(inter * d, 0.3),
+                        rng.vec(inter * d, 0.3),
+                        rng.vec(d * inter, 0.3),
+                    )
+                })
+                .collect();
+            let shared = (
+                rng.vec(2 * inter * d, 0.3),
+                rng.vec(2 * inter * d, 0.3),
+                rng.vec(d * 2 * inter, 0.3),
+            );
+            let gate = rng.vec(e * d, 0.5);
+            let bias = (score == ScoreFunc::Sigmoid).then(|| rng.vec(e, 0.1));
+            let cpu = CpuBackend::new(2);
+            let lg = moe_layer(
+                &be,
+                &cfg,
+                &experts,
+                &gate,
+                bias.clone(),
+                Some(&shared),
+                d,
+                inter,
+            );
+            let lc = moe_layer(&cpu, &cfg, &experts, &gate, bias, Some(&shared), d, inter);
+            for n in [1usize, 5, 37] {
+                let x = rng.vec(n * d, 1.0);
+                let tokens = vec![0u32; n];
+                let xg = be.upload(&x).unwrap();
+                let mut og = be.zeros(n * d).unwrap();
+                be.moe(&lg, &xg, &tokens, n, d, &mut og).unwrap();
+                let got = be.to_host(&og).unwrap();
+                let mut want = vec![0.0; n * d];
+                cpu.moe(&lc, &x, &tokens, n, d, &mut want).unwrap();
+                let err = max_err(&got, &want, d);
+                eprintln!(
+                    "{score:?} groups {n_group}/{topk_group} top {top_k}, {n} tokens: {err:.2e}"
+                );
+                assert!(err < 1e-4, "{score:?} {n} tokens: {err:e}");
+                let (a, b) = (be.expert_load(&lg).unwrap(), cpu.expert_load(&lc).unwrap());
+                assert_eq!(a.last_step, b.last_step, "last step's tokens per expert");
+                assert_eq!(a.total, b.total);
+                assert_eq!(a.last_step.iter().sum::<u64>(), (n * top_k) as u64);
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_deepseek_tests_skipped_without_the_cuda_feature() {
+    eprintln!("skipped: built without `--features cuda`");
+}

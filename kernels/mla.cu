@@ -1,0 +1,266 @@
+// Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache, absorbed form.
+//
+// The cache of a layer is [blocks * block_size, W] values of the activation type T, W = latent
+// (`r`) + rope (`dr`): per token the RMS-normalized KV latent and the rotated shared rope key.
+// A step runs four kernels:
+//   mla_prep      normalizes the new latents, rotates the rope key and the queries' rope parts
+//                 by position, writes the cache rows;
+//   mla_q_absorb  projects each head's nope query into latent space with the K half of
+//                 kv_b_proj (q_lat = W_UK^T q_nope) and appends the rope query: qf [n, H, W] f32;
+//   mla_decode    attends qf over the cached rows, split-KV over the context; one block serves
+//                 up to 16 heads of one token, so each latent row is loaded once for all of them
+//                 (FlashMLA's idea: the step is memory-bound on the latent, not on the heads);
+//   mla_v_up      merges the splits and projects the latent output back with the V half
+//                 (out = W_UV o_lat), writing [n, H * v] activations.
+
+#define MLA_WARPS 8
+#define MLA_HPW 2                          // heads per warp
+#define MLA_HEADS (MLA_WARPS * MLA_HPW)    // heads per block
+#define MLA_MAXW 576                       // most latent + rope values (DeepSeek-V3: 512 + 64)
+#define MLA_NPL (MLA_MAXW / 32)            // values per lane
+#define MLA_TK 16                          // keys per shared-memory tile
+
+// Rotates the pair (v[a], v[b]) of a rope part by `pos`, as the host's `mla::rotate`: the angle
+// in f32, its sine and cosine in f64, each scaled by `rs`.
+__device__ __forceinline__ void mla_rot_pair(float& x, float& y, float f, int pos, float rs) {
+    const float ang = f * (float)pos;
+    const float c = (float)cos((double)ang) * rs;
+    const float s = (float)sin((double)ang) * rs;
+    const float x0 = x, y0 = y;
+    x = x0 * c - y0 * s;
+    y = y0 * c + x0 * s;
+}
+
+template <typename T>
+__device__ void mla_prep_impl(T* cache, T* q, const T* kva, const float* gain, const float* inv_freq,
+                              const long* slots, const int* positions, int r, int dr, int heads, int nope,
+                              float eps, float rs, int interleaved) {
+    __shared__ float red[32];
+    const int t = blockIdx.x;
+    const int W = r + dr;
+    const T* row = kva + (long)t * W;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        const float v = act_load(row, c);
+        ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    const float inv = 1.0f / sqrtf(ss / (float)r + eps);
+    T* dst = cache + slots[t] * (long)W;
+    for (int c = threadIdx.x; c < r; c += blockDim.x) act_store(dst, c, gain[c] * (act_load(row, c) * inv));
+    const int half = dr / 2;
+    const int pos = positions[t];
+    // pair i of the rope key (one extra "head"), then of every query head
+    for (int e = threadIdx.x; e < (heads + 1) * half; e += blockDim.x) {
+        const int h = e / half, i = e % half;
+        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+        if (h == 0) {
+            float x = act_load(row, r + a), y = act_load(row, r + b);
+            mla_rot_pair(x, y, inv_freq[i], pos, rs);
+            act_store(dst, r + a, x);
+            act_store(dst, r + b, y);
+        } else {
+            T* qh = q + ((long)t * heads + (h - 1)) * (nope + dr) + nope;
+            float x = act_load(qh, a), y = act_load(qh, b);
+            mla_rot_pair(x, y, inv_freq[i], pos, rs);
+            act_store(qh, a, x);
+            act_store(qh, b, y);
+        }
+    }
+}
+
+__device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
+__device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
+
+// qf[t, h, c] = sum_j q[t, h, j] W[h (nope + v) + j, c] for c < r, then the rope query for
+// c in [r, r + dr). Block (head, 8-token chunk, 128-column chunk).
+template <typename T, typename WT>
+__device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int heads, int nope, int dr, int v,
+                                  int r) {
+    const int h = blockIdx.x;
+    const int t0 = blockIdx.y * 8;
+    const int nt = min(8, n - t0);
+    const int c = blockIdx.z * blockDim.x + threadIdx.x;
+    const int W = r + dr, qk = nope + dr;
+    if (c < r) {
+        float acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+        const WT* wh = w + (long)h * (nope + v) * r + c;
+#pragma unroll 4
+        for (int j = 0; j < nope; j++) {
+            const float wv = mla_w(wh, (long)j * r);
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                if (i < nt) acc[i] = fmaf(act_load(q, ((long)(t0 + i) * heads + h) * qk + j), wv, acc[i]);
+        }
+        for (int i = 0; i < nt; i++) qf[((long)(t0 + i) * heads + h) * W + c] = acc[i];
+    } else if (c < W) {
+        for (int i = 0; i < nt; i++)
+            qf[((long)(t0 + i) * heads + h) * W + c] = act_load(q, ((long)(t0 + i) * heads + h) * qk + nope + c - r);
+    }
+}
+
+// Block (token, head group, split): heads [g*16, g*16+16) of token t over keys [k0, k1) of
+// its causal range [0, pos]. Writes the split's unnormalized latent output and (max, sum) in
+// log2 units; mla_v_up merges the splits.
+template <typename T>
+__device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,
+                                const int* positions, const int* tables, int table_width, int block_size, int heads,
+                                int r, int dr, float scale_log2, int splits) {
+    __shared__ float kt[MLA_TK][MLA_MAXW];
+    const int t = blockIdx.x;
+    const int hb = blockIdx.y * MLA_HEADS;
+    const int s = blockIdx.z;
+    const int W = r + dr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pos = positions[t];
+    const int len = pos + 1;
+    const int chunk = (len + splits - 1) / splits;
+    const int k0 = s * chunk;
+    const int k1 = min(len, k0 + chunk);
+    const int* table = tables + (long)tok_seq[t] * table_width;
+
+    float qv[MLA_HPW][MLA_NPL], acc[MLA_HPW][MLA_NPL], m[MLA_HPW], l[MLA_HPW];
+    bool has[MLA_HPW];
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; hh++) {
+        const int h = hb + warp * MLA_HPW + hh;
+        has[hh] = h < heads;
+        m[hh] = NEG_INF;
+        l[hh] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            const int c = lane + 32 * i;
+            qv[hh][i] = (has[hh] && c < W) ? qf[((long)t * heads + h) * W + c] * scale_log2 : 0.0f;
+            acc[hh][i] = 0.0f;
+        }
+    }
+    for (int j0 = k0; j0 < k1; j0 += MLA_TK) {
+        const int nk = min(MLA_TK, k1 - j0);
+        __syncthreads();
+        for (int e = threadIdx.x; e < nk * W; e += blockDim.x) {
+            const int kk = e / W, c = e % W;
+            const int j = j0 + kk;
+            const long slot = (long)table[j / block_size] * block_size + j % block_size;
+            kt[kk][c] = act_load(cache, slot * W + c);
+        }
+        __syncthreads();
+        for (int kk = 0; kk < nk; kk++) {
+#pragma unroll
+            for (int hh = 0; hh < MLA_HPW; hh++) {
+                if (!has[hh]) continue;
+                float sc = 0.0f;
+#pragma unroll
+                for (int i = 0; i < MLA_NPL; i++) {
+                    const int c = lane + 32 * i;
+                    if (c < W) sc = fmaf(qv[hh][i], kt[kk][c], sc);
+                }
+                sc = warp_sum(sc);
+                const float mn = fmaxf(m[hh], sc);
+                const float corr = exp2f(m[hh] - mn);
+                const float p = exp2f(sc - mn);
+                l[hh] = l[hh] * corr + p;
+#pragma unroll
+                for (int i = 0; i < MLA_NPL; i++) {
+                    const int c = lane + 32 * i;
+                    if (c < r) acc[hh][i] = fmaf(p, kt[kk][c], acc[hh][i] * corr);
+                }
+                m[hh] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; hh++) {
+        if (!has[hh]) continue;
+        const long row = ((long)t * heads + hb + warp * MLA_HPW + hh) * splits + s;
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            const int c = lane + 32 * i;
+            if (c < r) part_o[row * r + c] = acc[hh][i];
+        }
+        if (lane == 0) {
+            part_ml[row * 2] = m[hh];
+            part_ml[row * 2 + 1] = l[hh];
+        }
+    }
+}
+
+// Block (head, token): merges the splits of o_lat into shared memory, then one warp per
+// output row j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
+template <typename T, typename WT>
+__device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml, const WT* w, int heads, int nope,
+                              int v, int r, int splits) {
+    __shared__ float ol[MLA_MAXW];
+    __shared__ float fs[64];
+    __shared__ float inv_l;
+    const int h = blockIdx.x, t = blockIdx.y;
+    const long row = (long)t * heads + h;
+    if (threadIdx.x == 0) {
+        float mx = NEG_INF;
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_ml[(row * splits + s) * 2]);
+        float lsum = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float ms = part_ml[(row * splits + s) * 2];
+            const float f = (mx == NEG_INF || ms == NEG_INF) ? 0.0f : exp2f(ms - mx);
+            fs[s] = f;
+            lsum += part_ml[(row * splits + s) * 2 + 1] * f;
+        }
+        inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < splits; s++)
+            if (fs[s] != 0.0f) o += part_o[(row * splits + s) * r + c] * fs[s];
+        ol[c] = o * inv_l;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int j = warp; j < v; j += blockDim.x >> 5) {
+        const WT* wr = w + ((long)h * (nope + v) + nope + j) * r;
+        float acc = 0.0f;
+        for (int c = lane; c < r; c += 32) acc = fmaf(mla_w(wr, c), ol[c], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) act_store(out, row * v + j, acc);
+    }
+}
+
+#define MLA_WRAPPERS(T, S)                                                                                           \
+    extern "C" __global__ void mla_prep_##S(T* cache, T* q, const T* kva, const float* gain, const float* inv_freq,  \
+                                            const long* slots, const int* positions, int r, int dr, int heads,      \
+                                            int nope, float eps, float rs, int interleaved) {                       \
+        PDL_ENTRY();                                                                                                 \
+        mla_prep_impl<T>(cache, q, kva, gain, inv_freq, slots, positions, r, dr, heads, nope, eps, rs, interleaved); \
+    }                                                                                                                \
+    extern "C" __global__ void mla_q_absorb_wf32_##S(float* qf, const T* q, const float* w, int n, int heads,       \
+                                                     int nope, int dr, int v, int r) {                               \
+        PDL_ENTRY();                                                                                                 \
+        mla_q_absorb_impl<T, float>(qf, q, w, n, heads, nope, dr, v, r);                                             \
+    }                                                                                                                \
+    extern "C" __global__ void mla_q_absorb_wbf16_##S(float* qf, const T* q, const bf16_t* w, int n, int heads,     \
+                                                      int nope, int dr, int v, int r) {                              \
+        PDL_ENTRY();                                                                                                 \
+        mla_q_absorb_impl<T, bf16_t>(qf, q, w, n, heads, nope, dr, v, r);                                            \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32)                                                     \
+        mla_decode_##S(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,           \
+                       const int* positions, const int* tables, int table_width, int block_size, int heads, int r,  \
+                       int dr, float scale_log2, int splits) {                                                       \
+        PDL_ENTRY();                                                                                                 \
+        mla_decode_impl<T>(part_o, part_ml, qf, cache, tok_seq, positions, tables, table_width, block_size, heads,  \
+                           r, dr, scale_log2, splits);                                                               \
+    }                                                                                                                \
+    extern "C" __global__ void mla_v_up_wf32_##S(T* out, const float* part_o, const float* part_ml, const float* w, \
+                                                 int heads, int nope, int v, int r, int splits) {                    \
+        PDL_ENTRY();                                                                                                 \
+        mla_v_up_impl<T, float>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                 \
+    }                                                                                                                \
+    extern "C" __global__ void mla_v_up_wbf16_##S(T* out, const float* part_o, const float* part_ml,                \
+                                                  const bf16_t* w, int heads, int nope, int v, int r, int splits) {  \
+        PDL_ENTRY();                                                                                                 \
+        mla_v_up_impl<T, bf16_t>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                \
+    }
+
+MLA_WRAPPERS(float, f32)
+MLA_WRAPPERS(bf16_t, bf16)
