@@ -87,7 +87,7 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] = 0.0f;
         const WT* wh = w + (long)h * (nope + v) * r + c;
-#pragma unroll 4
+#pragma unroll 16
         for (int j = 0; j < nope; j++) {
             const float wv = mla_w(wh, (long)j * r);
 #pragma unroll
@@ -109,6 +109,7 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
                                 const int* positions, const int* tables, int table_width, int block_size, int heads,
                                 int r, int dr, float scale_log2, int splits) {
     __shared__ float kt[MLA_TK][MLA_MAXW];
+    __shared__ long slot_of[MLA_TK];
     const int t = blockIdx.x;
     const int hb = blockIdx.y * MLA_HEADS;
     const int s = blockIdx.z;
@@ -139,11 +140,26 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
     for (int j0 = k0; j0 < k1; j0 += MLA_TK) {
         const int nk = min(MLA_TK, k1 - j0);
         __syncthreads();
-        for (int e = threadIdx.x; e < nk * W; e += blockDim.x) {
-            const int kk = e / W, c = e % W;
-            const int j = j0 + kk;
-            const long slot = (long)table[j / block_size] * block_size + j % block_size;
-            kt[kk][c] = act_load(cache, slot * W + c);
+        if (threadIdx.x < nk) {
+            const int j = j0 + threadIdx.x;
+            slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+        }
+        __syncthreads();
+        if (W % 8 == 0) {
+            // 8 values per load, every row's loads issued together
+            const int per = W / 8;
+            for (int e = threadIdx.x; e < nk * per; e += blockDim.x) {
+                const int kk = e / per, c = (e % per) * 8;
+                float v[8];
+                act_load8(cache + slot_of[kk] + c, v);
+#pragma unroll
+                for (int z = 0; z < 8; z++) kt[kk][c + z] = v[z];
+            }
+        } else {
+            for (int e = threadIdx.x; e < nk * W; e += blockDim.x) {
+                const int kk = e / W, c = e % W;
+                kt[kk][c] = act_load(cache, slot_of[kk] + c);
+            }
         }
         __syncthreads();
         for (int kk = 0; kk < nk; kk++) {
@@ -220,7 +236,17 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
     for (int j = warp; j < v; j += blockDim.x >> 5) {
         const WT* wr = w + ((long)h * (nope + v) + nope + j) * r;
         float acc = 0.0f;
-        for (int c = lane; c < r; c += 32) acc = fmaf(mla_w(wr, c), ol[c], acc);
+        if (r % 8 == 0) {
+#pragma unroll 4
+            for (int c = lane * 8; c < r; c += 256) {
+                float wv[8];
+                act_load8(wr + c, wv);
+#pragma unroll
+                for (int z = 0; z < 8; z++) acc = fmaf(wv[z], ol[c + z], acc);
+            }
+        } else {
+            for (int c = lane; c < r; c += 32) acc = fmaf(mla_w(wr, c), ol[c], acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) act_store(out, row * v + j, acc);
     }

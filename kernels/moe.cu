@@ -19,14 +19,48 @@
 #define SCORE_SOFTMAX 1
 #define SCORE_SQRTSOFTPLUS 2
 
-// Index of the largest of v[0..n) not yet taken (ties: the lowest index).
-__device__ __forceinline__ int moe_argmax(const float* v, const unsigned char* taken, int n) {
-    int best = -1;
-    for (int i = 0; i < n; i++)
-        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
-    return best;
+// Index of the largest of v[0..n) not yet taken (ties: the lowest index), computed by one
+// whole warp; every lane gets it (-1 when nothing is left).
+__device__ __forceinline__ int moe_warp_argmax(const float* v, const unsigned char* taken, int n) {
+    const int lane = threadIdx.x & 31;
+    float bv = NEG_INF;
+    int bi = -1;
+    for (int i = lane; i < n; i += 32)
+        if (!taken[i] && (bi < 0 || v[i] > bv)) {
+            bv = v[i];
+            bi = i;
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    return bi;
 }
 
+// Eight consecutive weights of a row as floats (f32, f16, bf16 rows; 16-byte aligned).
+__device__ __forceinline__ void moe_gate8(int wt, const u8* p, float* o) {
+    if (wt == WT_F32) {
+        act_load8(reinterpret_cast<const float*>(p), o);
+    } else if (wt == WT_BF16) {
+        act_load8(reinterpret_cast<const bf16_t*>(p), o);
+    } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            o[2 * i] = f16_to_f32((f16_t)(w[i] & 0xffffu));
+            o[2 * i + 1] = f16_to_f32((f16_t)(w[i] >> 16));
+        }
+    }
+}
+
+// Block per token: router logits in f32 (one warp per expert at a time, 8-value loads when
+// the row allows), then warp 0 scores, masks groups and picks the top k.
 template <typename T>
 __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* gate, int gate_wt, long gate_row_bytes,
                                const float* bias, int d, int E, int K, int score, int n_group, int topk_group,
@@ -36,41 +70,58 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
     __shared__ unsigned char taken[MOE_MAX_EXPERTS];
     __shared__ float gs[64];
     __shared__ unsigned char gtaken[64];
+    __shared__ int chosen[64];
     const int t = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     const T* xr = x + (long)t * d;
+    const bool vec = (d % 8 == 0) && (gate_wt == WT_F32 || gate_wt == WT_BF16 || gate_wt == WT_F16) &&
+                     (gate_row_bytes % 16 == 0);
     for (int e = warp; e < E; e += nw) {
         float acc = 0.0f;
-        for (int c = lane; c < d; c += 32) acc = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc);
+        if (vec) {
+            const int wb = gate_wt == WT_F32 ? 4 : 2;
+            const u8* row = gate + (long)e * gate_row_bytes;
+#pragma unroll 4
+            for (int c = lane * 8; c < d; c += 256) {
+                float wv[8], xv[8];
+                moe_gate8(gate_wt, row + (long)c * wb, wv);
+                act_load8(xr + c, xv);
+#pragma unroll
+                for (int z = 0; z < 8; z++) acc = fmaf(xv[z], wv[z], acc);
+            }
+        } else {
+            for (int c = lane; c < d; c += 32) acc = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) sc[e] = acc;
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (warp != 0) return;
     if (score == SCORE_SOFTMAX) {
         float mx = NEG_INF;
-        for (int e = 0; e < E; e++) mx = fmaxf(mx, sc[e]);
+        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, sc[e]);
+        mx = warp_max(mx);
         float sum = 0.0f;
-        for (int e = 0; e < E; e++) {
-            sc[e] = expf(sc[e] - mx);
-            sum += sc[e];
-        }
-        for (int e = 0; e < E; e++) sc[e] /= sum;
+        for (int e = lane; e < E; e += 32) sum += expf(sc[e] - mx);
+        sum = warp_sum(sum);
+        __syncwarp();
+        for (int e = lane; e < E; e += 32) sc[e] = expf(sc[e] - mx) / sum;
     } else if (score == SCORE_SQRTSOFTPLUS) {
-        for (int e = 0; e < E; e++) {
+        for (int e = lane; e < E; e += 32) {
             const float l = sc[e];
             sc[e] = sqrtf(fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l))));
         }
     } else {
-        for (int e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-sc[e]));
+        for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-sc[e]));
     }
-    for (int e = 0; e < E; e++) {
+    for (int e = lane; e < E; e += 32) {
         ch[e] = sc[e] + (bias != nullptr ? bias[e] : 0.0f);
         taken[e] = 0;
     }
+    __syncwarp();
     if (n_group > 1 && topk_group < n_group) {
         const int per = E / n_group;
-        for (int g = 0; g < n_group; g++) {
+        for (int g = lane; g < n_group; g += 32) {
             const float* gv = ch + g * per;
             if (score == SCORE_SOFTMAX) {
                 float mx = NEG_INF;
@@ -88,22 +139,33 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
             }
             gtaken[g] = 0;
         }
-        for (int q = 0; q < topk_group; q++) gtaken[moe_argmax(gs, gtaken, n_group)] = 1;
-        for (int g = 0; g < n_group; g++)
-            if (!gtaken[g])
-                for (int i = 0; i < per; i++) ch[g * per + i] = NEG_INF;
-    }
-    float sum = 0.0f;
-    for (int j = 0; j < K; j++) {
-        const int e = moe_argmax(ch, taken, E);
-        taken[e] = 1;
-        ids[(long)t * K + j] = e;
-        sum += sc[e];
+        __syncwarp();
+        for (int q = 0; q < topk_group; q++) {
+            const int g = moe_warp_argmax(gs, gtaken, n_group);
+            if (lane == 0) gtaken[g] = 1;
+            __syncwarp();
+        }
+        for (int e = lane; e < E; e += 32)
+            if (!gtaken[e / per]) ch[e] = NEG_INF;
+        __syncwarp();
     }
     for (int j = 0; j < K; j++) {
-        float w = sc[ids[(long)t * K + j]];
-        if (norm) w /= sum + 1e-20f;
-        weights[(long)t * K + j] = w * scaling;
+        const int e = moe_warp_argmax(ch, taken, E);
+        if (lane == 0) {
+            taken[e] = 1;
+            chosen[j] = e;
+        }
+        __syncwarp();
+    }
+    if (lane == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < K; j++) sum += sc[chosen[j]];
+        for (int j = 0; j < K; j++) {
+            float w = sc[chosen[j]];
+            if (norm) w /= sum + 1e-20f;
+            ids[(long)t * K + j] = chosen[j];
+            weights[(long)t * K + j] = w * scaling;
+        }
     }
 }
 

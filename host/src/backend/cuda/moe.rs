@@ -18,8 +18,9 @@ use crate::model::moe::{ExpertLoad, MoeLayer, Router, ScoreFunc};
 
 /// Most experts the routing and plan kernels take (`MOE_MAX_EXPERTS`).
 const MAX_EXPERTS: usize = 1024;
-/// Most expert groups the routing kernel takes.
+/// Most expert groups and experts per token the routing kernel takes.
 const MAX_GROUPS: usize = 64;
+const MAX_TOP_K: usize = 64;
 /// Output rows per block of the grouped GEMVs (one warp each).
 const ROWS_PER_BLOCK: usize = 8;
 
@@ -158,9 +159,9 @@ pub(crate) fn forward(
     }
     let cfg = &layer.cfg;
     let (e, k) = (cfg.n_experts, cfg.top_k);
-    if e > MAX_EXPERTS || cfg.n_group > MAX_GROUPS {
+    if e > MAX_EXPERTS || cfg.n_group > MAX_GROUPS || k > MAX_TOP_K {
         return Err(Error::BadConfig(format!(
-            "MoE on CUDA takes at most {MAX_EXPERTS} experts in {MAX_GROUPS} groups ({e} in {})",
+            "MoE on CUDA takes at most {MAX_EXPERTS} experts in {MAX_GROUPS} groups and top {MAX_TOP_K} ({e} in {}, top {k})",
             cfg.n_group
         )));
     }
@@ -191,7 +192,7 @@ pub(crate) fn forward(
         inner,
         kern.moe_route,
         [n as u32, 1, 1],
-        256,
+        1024,
         vec![
             ids.ptr(),
             weights.ptr(),
