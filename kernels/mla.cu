@@ -19,6 +19,8 @@
 #define MLA_MAXW 576                       // most latent + rope values (DeepSeek-V3: 512 + 64)
 #define MLA_NPL (MLA_MAXW / 32)            // values per lane
 #define MLA_TK 16                          // keys per shared-memory tile
+#define MLA_MAXNOPE 256                    // most nope query values per head
+#define MLA_VROWS 32                       // V up-projection rows per block
 
 // Rotates the pair (v[a], v[b]) of a rope part by `pos`, as the host's `mla::rotate`: the angle
 // in f32, its sine and cosine in f64, each scaled by `rs`.
@@ -73,31 +75,52 @@ __device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
 __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
 
 // qf[t, h, c] = sum_j q[t, h, j] W[h (nope + v) + j, c] for c < r, then the rope query for
-// c in [r, r + dr). Block (head, 8-token chunk, 128-column chunk).
+// c in [r, r + dr). Block (head, 8-token chunk, 64-column chunk; the last chunk copies the rope
+// queries): the tokens' nope queries are staged in shared memory, four groups of 64 threads
+// split the nope rows and their partial sums meet in shared memory.
 template <typename T, typename WT>
 __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int heads, int nope, int dr, int v,
                                   int r) {
+    __shared__ float qs[8][MLA_MAXNOPE];
+    __shared__ float part[4][8][64];
     const int h = blockIdx.x;
     const int t0 = blockIdx.y * 8;
     const int nt = min(8, n - t0);
-    const int c = blockIdx.z * blockDim.x + threadIdx.x;
     const int W = r + dr, qk = nope + dr;
-    if (c < r) {
-        float acc[8];
+    if ((int)blockIdx.z == (r + 63) / 64) {
+        for (int e = threadIdx.x; e < nt * dr; e += blockDim.x) {
+            const int i = e / dr, c = e % dr;
+            qf[((long)(t0 + i) * heads + h) * W + r + c] = act_load(q, ((long)(t0 + i) * heads + h) * qk + nope + c);
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < 8 * nope; e += blockDim.x) {
+        const int i = e / nope, j = e % nope;
+        qs[i][j] = i < nt ? act_load(q, ((long)(t0 + i) * heads + h) * qk + j) : 0.0f;
+    }
+    __syncthreads();
+    const int cl = threadIdx.x & 63, jg = threadIdx.x >> 6;
+    const int c = blockIdx.z * 64 + cl;
+    float acc[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+    if (c < r) {
         const WT* wh = w + (long)h * (nope + v) * r + c;
-#pragma unroll 16
-        for (int j = 0; j < nope; j++) {
+#pragma unroll 8
+        for (int j = jg; j < nope; j += 4) {
             const float wv = mla_w(wh, (long)j * r);
 #pragma unroll
-            for (int i = 0; i < 8; i++)
-                if (i < nt) acc[i] = fmaf(act_load(q, ((long)(t0 + i) * heads + h) * qk + j), wv, acc[i]);
+            for (int i = 0; i < 8; i++) acc[i] = fmaf(qs[i][j], wv, acc[i]);
         }
-        for (int i = 0; i < nt; i++) qf[((long)(t0 + i) * heads + h) * W + c] = acc[i];
-    } else if (c < W) {
-        for (int i = 0; i < nt; i++)
-            qf[((long)(t0 + i) * heads + h) * W + c] = act_load(q, ((long)(t0 + i) * heads + h) * qk + nope + c - r);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) part[jg][i][cl] = acc[i];
+    __syncthreads();
+    for (int e = threadIdx.x; e < nt * 64; e += blockDim.x) {
+        const int i = e / 64, cc = e % 64;
+        const int col = blockIdx.z * 64 + cc;
+        if (col < r)
+            qf[((long)(t0 + i) * heads + h) * W + col] = part[0][i][cc] + part[1][i][cc] + part[2][i][cc] + part[3][i][cc];
     }
 }
 
@@ -202,38 +225,46 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
     }
 }
 
-// Block (head, token): merges the splits of o_lat into shared memory, then one warp per
-// output row j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
+// Block (head, token, 32-row chunk): merges the splits of o_lat into shared memory, then each
+// warp takes 4 output rows j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
 template <typename T, typename WT>
 __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml, const WT* w, int heads, int nope,
                               int v, int r, int splits) {
     __shared__ float ol[MLA_MAXW];
-    __shared__ float fs[64];
+    __shared__ float ms[64], ls[64], fs[64];
     __shared__ float inv_l;
     const int h = blockIdx.x, t = blockIdx.y;
     const long row = (long)t * heads + h;
-    if (threadIdx.x == 0) {
+    if ((int)threadIdx.x < splits) {
+        ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
+        ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < splits) {
         float mx = NEG_INF;
-        for (int s = 0; s < splits; s++) mx = fmaxf(mx, part_ml[(row * splits + s) * 2]);
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ms[s]);
+        const float m = ms[threadIdx.x];
+        fs[threadIdx.x] = (mx == NEG_INF || m == NEG_INF) ? 0.0f : exp2f(m - mx);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
         float lsum = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float ms = part_ml[(row * splits + s) * 2];
-            const float f = (mx == NEG_INF || ms == NEG_INF) ? 0.0f : exp2f(ms - mx);
-            fs[s] = f;
-            lsum += part_ml[(row * splits + s) * 2 + 1] * f;
-        }
+        for (int s = 0; s < splits; s++) lsum += ls[s] * fs[s];
         inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
     }
     __syncthreads();
     for (int c = threadIdx.x; c < r; c += blockDim.x) {
         float o = 0.0f;
-        for (int s = 0; s < splits; s++)
-            if (fs[s] != 0.0f) o += part_o[(row * splits + s) * r + c] * fs[s];
+#pragma unroll 4
+        for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
         ol[c] = o * inv_l;
     }
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int j = warp; j < v; j += blockDim.x >> 5) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int k = 0; k < MLA_VROWS / 8; k++) {
+        const int j = blockIdx.z * MLA_VROWS + k * nw + warp;
+        if (j >= v) continue;
         const WT* wr = w + ((long)h * (nope + v) + nope + j) * r;
         float acc = 0.0f;
         if (r % 8 == 0) {

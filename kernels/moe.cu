@@ -11,7 +11,6 @@
 //   moe_down     block (active expert, 8 rows): y[a, r] = down_e[r] . h[a] (f32);
 //   moe_combine  out[t] = shared[t] + sum_j w[t, j] y[t * k + j].
 
-#define MOE_TOK 8        // assignments per pass over an expert's rows
 #define MOE_UNROLL 4     // 8-value chunks of a row loaded before use
 #define MOE_MAX_EXPERTS 1024
 
@@ -208,9 +207,10 @@ __device__ __forceinline__ void moe_w8(const float* p, float* o) { act_load8(p, 
 __device__ __forceinline__ void moe_w8(const bf16_t* p, float* o) { act_load8(p, o); }
 
 // One warp per output row r of expert e = active[blockIdx.x]; assignments in passes of
-// MOE_TOK. GATED: x rows are tokens (a / k), weights gate and up, output silu(g) u in T with
+// MOE_TOK (1: one token per expert, what batch-1 decode has, with the fewest registers; 8).
+// GATED: x rows are tokens (a / k), weights gate and up, output silu(g) u in T with
 // `out_w` values per row; else x rows are assignments, one weight, output f32.
-template <typename T, typename WT, bool GATED>
+template <typename T, typename WT, bool GATED, int MOE_TOK>
 __device__ void moe_gemv_impl(void* out, const T* x, const u64* w1s, const u64* w2s, const int* active,
                               const int* n_active, const int* offsets, const int* rows, int k, int cols, int out_rows) {
     if ((int)blockIdx.x >= *n_active) return;
@@ -288,18 +288,20 @@ __device__ void moe_combine_impl(T* out, const float* y, const float* weights, c
     }
 }
 
-#define MOE_GEMV_WRAPPERS(T, S, WT, WS)                                                                              \
-    extern "C" __global__ void moe_gateup_##WS##_##S(T* h, const T* x, const u64* gates, const u64* ups,            \
-                                                     const int* active, const int* n_active, const int* offsets,     \
-                                                     const int* rows, int k, int d, int inter) {                     \
+#define MOE_GEMV_WRAPPERS(T, S, WT, WS, TOK)                                                                         \
+    extern "C" __global__ void moe_gateup_##WS##_t##TOK##_##S(T* h, const T* x, const u64* gates, const u64* ups,   \
+                                                              const int* active, const int* n_active,               \
+                                                              const int* offsets, const int* rows, int k, int d,    \
+                                                              int inter) {                                          \
         PDL_ENTRY();                                                                                                 \
-        moe_gemv_impl<T, WT, true>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);                  \
+        moe_gemv_impl<T, WT, true, TOK>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);             \
     }                                                                                                                \
-    extern "C" __global__ void moe_down_##WS##_##S(float* y, const T* h, const u64* downs, const int* active,       \
-                                                   const int* n_active, const int* offsets, const int* rows, int k, \
-                                                   int inter, int d) {                                               \
+    extern "C" __global__ void moe_down_##WS##_t##TOK##_##S(float* y, const T* h, const u64* downs,                 \
+                                                            const int* active, const int* n_active,                 \
+                                                            const int* offsets, const int* rows, int k, int inter,  \
+                                                            int d) {                                                 \
         PDL_ENTRY();                                                                                                 \
-        moe_gemv_impl<T, WT, false>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);               \
+        moe_gemv_impl<T, WT, false, TOK>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);          \
     }
 
 #define MOE_WRAPPERS(T, S)                                                                                           \
@@ -315,8 +317,10 @@ __device__ void moe_combine_impl(T* out, const float* y, const float* weights, c
         PDL_ENTRY();                                                                                                 \
         moe_combine_impl<T>(out, y, weights, shared, k, d);                                                          \
     }                                                                                                                \
-    MOE_GEMV_WRAPPERS(T, S, float, wf32)                                                                             \
-    MOE_GEMV_WRAPPERS(T, S, bf16_t, wbf16)
+    MOE_GEMV_WRAPPERS(T, S, float, wf32, 1)                                                                          \
+    MOE_GEMV_WRAPPERS(T, S, float, wf32, 8)                                                                          \
+    MOE_GEMV_WRAPPERS(T, S, bf16_t, wbf16, 1)                                                                        \
+    MOE_GEMV_WRAPPERS(T, S, bf16_t, wbf16, 8)
 
 MOE_WRAPPERS(float, f32)
 MOE_WRAPPERS(bf16_t, bf16)

@@ -21,8 +21,12 @@ use crate::model::mla::{MlaParams, MlaPath, MlaWeights};
 
 /// Most latent + rope values per token the decode kernel takes (`MLA_MAXW`).
 pub const MLA_MAX_WIDTH: usize = 576;
+/// Most nope query values per head the absorption kernel stages (`MLA_MAXNOPE`).
+pub const MLA_MAX_NOPE: usize = 256;
 /// Query heads per decode block (`MLA_HEADS`).
 const MLA_HEADS: usize = 16;
+/// Output rows per V up-projection block (`MLA_VROWS`).
+const V_ROWS: usize = 32;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
@@ -76,11 +80,12 @@ pub(crate) fn new_kv(
     })
 }
 
-/// Key splits per (token, head group): enough blocks to fill the GPU, at least 64 keys each;
-/// depends on the context only through its power-of-two bucket (decode steps keep one shape).
+/// Key splits per (token, head group): enough blocks to fill the GPU, at least 16 keys (one
+/// shared-memory tile) each; depends on the context only through its power-of-two bucket
+/// (decode steps keep one shape).
 pub fn splits_for(blocks: usize, max_ctx: usize) -> usize {
     let by_gpu = TARGET_BLOCKS.div_ceil(blocks.max(1));
-    let by_ctx = max_ctx.next_power_of_two().div_ceil(64);
+    let by_ctx = max_ctx.next_power_of_two().div_ceil(16);
     by_gpu.min(by_ctx).clamp(1, 64)
 }
 
@@ -135,10 +140,15 @@ pub(crate) fn attention(
     let d = p.dims;
     let (r, dr, heads) = (d.latent, d.rope, d.heads);
     let width = r + dr;
-    if width != kv.width || width > MLA_MAX_WIDTH || dr % 2 != 0 || heads == 0 {
+    if width != kv.width
+        || width > MLA_MAX_WIDTH
+        || dr % 2 != 0
+        || heads == 0
+        || d.nope > MLA_MAX_NOPE
+    {
         return Err(Error::BadConfig(format!(
-            "MLA on CUDA: latent {r} + rope {dr} (cache width {}) must be at most {MLA_MAX_WIDTH} with an even rope part",
-            kv.width
+            "MLA on CUDA: latent {r} + rope {dr} (cache width {}) must be at most {MLA_MAX_WIDTH} with an even rope part, nope {} at most {MLA_MAX_NOPE}",
+            kv.width, d.nope
         )));
     }
     if kv.act != inner.act() {
@@ -209,9 +219,9 @@ pub(crate) fn attention(
         [
             heads as u32,
             n.div_ceil(8) as u32,
-            width.div_ceil(128) as u32,
+            (r.div_ceil(64) + 1) as u32,
         ],
-        128,
+        256,
         vec![
             qf.ptr(),
             q.ptr(),
@@ -253,7 +263,7 @@ pub(crate) fn attention(
     launch(
         inner,
         k.mla_v_up[wi],
-        [heads as u32, n as u32, 1],
+        [heads as u32, n as u32, d.v.div_ceil(V_ROWS) as u32],
         256,
         vec![
             out.ptr(),
@@ -276,8 +286,8 @@ mod tests {
 
     #[test]
     fn splits_follow_the_context_bucket() {
-        assert_eq!(splits_for(1, 128), 2);
-        assert_eq!(splits_for(1, 100), 2);
+        assert_eq!(splits_for(1, 128), 8);
+        assert_eq!(splits_for(1, 100), 8);
         assert_eq!(splits_for(1, 4096), 64);
         assert_eq!(splits_for(64, 4096), 5);
         assert_eq!(splits_for(1000, 4096), 1);

@@ -168,8 +168,9 @@ pub struct DeepseekKernels {
     pub mla_decode: KernelId,
     pub mla_v_up: [KernelId; 2],
     pub moe_route: KernelId,
-    pub moe_gateup: [KernelId; 2],
-    pub moe_down: [KernelId; 2],
+    /// By weight type and assignments per pass (1, 8).
+    pub moe_gateup: [[KernelId; 2]; 2],
+    pub moe_down: [[KernelId; 2]; 2],
     pub moe_combine: KernelId,
 }
 
@@ -279,8 +280,14 @@ impl Module {
                 mla_decode: n("mla_decode")?,
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
                 moe_route: n("moe_route")?,
-                moe_gateup: [n("moe_gateup_wf32")?, n("moe_gateup_wbf16")?],
-                moe_down: [n("moe_down_wf32")?, n("moe_down_wbf16")?],
+                moe_gateup: [
+                    [n("moe_gateup_wf32_t1")?, n("moe_gateup_wf32_t8")?],
+                    [n("moe_gateup_wbf16_t1")?, n("moe_gateup_wbf16_t8")?],
+                ],
+                moe_down: [
+                    [n("moe_down_wf32_t1")?, n("moe_down_wf32_t8")?],
+                    [n("moe_down_wbf16_t1")?, n("moe_down_wbf16_t8")?],
+                ],
                 moe_combine: n("moe_combine")?,
             })
         };
@@ -352,7 +359,7 @@ mod tests {
             "topk_f32",
             "rms_norm_f32",
             "mla_decode_bf16",
-            "moe_gateup_wbf16_bf16",
+            "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
         ] {
             assert!(

@@ -233,6 +233,8 @@ pub(crate) fn forward(
         ],
     );
     let slots = e.min(nk) as u32;
+    // one token: every selected expert has exactly one assignment (the lean kernels)
+    let ti = usize::from(n > 1);
     let h = inner.scratch(nk * inter, act.size())?;
     let (gates, ups, downs) = (
         st.ptrs.ptr,
@@ -241,7 +243,7 @@ pub(crate) fn forward(
     );
     launch(
         inner,
-        kern.moe_gateup[st.wi],
+        kern.moe_gateup[st.wi][ti],
         [slots, inter.div_ceil(ROWS_PER_BLOCK) as u32, 1],
         (ROWS_PER_BLOCK * 32) as u32,
         vec![
@@ -261,7 +263,7 @@ pub(crate) fn forward(
     let y = inner.scratch(nk * d, 4)?;
     launch(
         inner,
-        kern.moe_down[st.wi],
+        kern.moe_down[st.wi][ti],
         [slots, d.div_ceil(ROWS_PER_BLOCK) as u32, 1],
         (ROWS_PER_BLOCK * 32) as u32,
         vec![

@@ -185,8 +185,6 @@ impl<B: Backend> Loader<'_, B> {
 impl<B: Backend> DeepseekV3<B> {
     /// Loads the model from `src`. MTP layers are loaded when their tensors are present.
     pub fn load(cfg: DeepseekV3Config, src: &dyn WeightSource, backend: B) -> Result<Self> {
-        // the MTP layers take host hidden states: fail now rather than mid-forward
-        backend.upload(&[0.0])?;
         let l = Loader {
             cfg: &cfg,
             src,
@@ -234,6 +232,11 @@ impl<B: Backend> DeepseekV3<B> {
                 1.0,
             ),
         };
+        // the MTP layers take host hidden states: fail now rather than mid-forward (after the
+        // weights, which may fix the backend's activation type)
+        if !mtp.is_empty() {
+            backend.upload(&[0.0])?;
+        }
         let inv_freq = backend.prepare_weight(&crate::tensor::Weight::from_f32(
             1,
             inv_freq.len(),
