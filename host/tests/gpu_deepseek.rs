@@ -421,6 +421,7 @@ mod gpu {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn moe_layer<B: Backend>(
         be: &B,
         cfg: &RouterConfig,
