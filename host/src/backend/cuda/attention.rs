@@ -79,10 +79,10 @@ pub(crate) fn attention(
         ))
     })?;
     let (qw, kvw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
-    check("attention q", q.len(), n * qw)?;
-    check("attention k", k.len(), n * kvw)?;
-    check("attention v", v.len(), n * kvw)?;
-    check("attention output", out.len(), n * qw)?;
+    check("attention q", q.len, n * qw)?;
+    check("attention k", k.len, n * kvw)?;
+    check("attention v", v.len, n * kvw)?;
+    check("attention output", out.len, n * qw)?;
     let (kc, vc) = kv
         .layer(layer)
         .ok_or_else(|| Error::BadRequest(format!("layer {layer} is outside the KV cache")))?;
@@ -137,7 +137,9 @@ pub(crate) fn attention(
     let maxg = group.next_power_of_two().min(DEC_MAXG);
     let gi = DECODE_GROUPS.iter().position(|&g| g == maxg).unwrap_or(3);
     let hgroups = group.div_ceil(maxg);
-    let blocks = n * p.n_kv_heads * hgroups;
+    // Splits follow the batch's bucket, not its size, so a padded step and the same batch
+    // unpadded reduce each row's keys in the same order (bit-identical rows).
+    let blocks = super::step::bucket(n).unwrap_or(n) * p.n_kv_heads * hgroups;
     let ctx = match p.window {
         Some(w) => step.max_ctx.min(w),
         None => step.max_ctx,

@@ -13,11 +13,13 @@ use crate::error::{Error, Result};
 /// Largest K the top-K kernel takes (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 1024;
 
-fn rows_of(x: &CudaBuf, width: usize) -> Result<usize> {
+/// Rows the kernel runs over (a padded step's padding rows included, so the launch is the
+/// same for every batch of a bucket and joins its graph) and rows returned.
+fn rows_of(x: &CudaBuf, width: usize) -> Result<(usize, usize)> {
     if width == 0 {
         return Err(Error::BadRequest("row width 0".into()));
     }
-    Ok(x.len() / width)
+    Ok((x.len / width, x.host_len / width))
 }
 
 fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
@@ -31,14 +33,14 @@ fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec
 }
 
 pub(crate) fn argmax_rows(inner: &Arc<Inner>, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {
-    let rows = rows_of(x, width)?;
+    let (dev_rows, rows) = rows_of(x, width)?;
     if rows == 0 {
         return Ok(Vec::new());
     }
-    let out = inner.scratch(rows, 4)?;
+    let out = inner.scratch(dev_rows, 4)?;
     inner.push(Op::Launch {
         kernel: inner.module.act(inner.act()).argmax,
-        grid: [rows as u32, 1, 1],
+        grid: [dev_rows as u32, 1, 1],
         block: 1024,
         smem: 0,
         args: vec![out.ptr(), x.ptr(), width as u64],
@@ -53,7 +55,7 @@ pub(crate) fn top_k_rows(
     width: usize,
     k: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let rows = rows_of(x, width)?;
+    let (dev_rows, rows) = rows_of(x, width)?;
     let k = k.min(width);
     if k > TOPK_MAX {
         return Err(Error::BadRequest(format!(
@@ -63,11 +65,11 @@ pub(crate) fn top_k_rows(
     if rows == 0 || k == 0 {
         return Ok(vec![Vec::new(); rows]);
     }
-    let ids = inner.scratch(rows * k, 4)?;
-    let vals = inner.scratch(rows * k, 4)?;
+    let ids = inner.scratch(dev_rows * k, 4)?;
+    let vals = inner.scratch(dev_rows * k, 4)?;
     inner.push(Op::Launch {
         kernel: inner.module.act(inner.act()).topk,
-        grid: [rows as u32, 1, 1],
+        grid: [dev_rows as u32, 1, 1],
         block: 1024,
         smem: 0,
         args: vec![ids.ptr(), vals.ptr(), x.ptr(), width as u64, k as u64],
