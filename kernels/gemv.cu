@@ -178,6 +178,10 @@ GEMV_ALL(bf16_t, bf16)
 #define GEMVB_NORM 1
 #define GEMVB_ACC 2
 
+// An activation rounded to its storage type, kept as float.
+__device__ __forceinline__ float act_round(const float*, float v) { return v; }
+__device__ __forceinline__ float act_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 template <typename T, int WT, int N, int R, int U, int MODE>
 __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0,
                                            int m1, int m2, const T* x, int n, int k, long row_bytes,
@@ -210,6 +214,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
     }
     float acc[R][N];
     float ss[N];
+    float resv = 0.0f;
 #pragma unroll
     for (int t = 0; t < N; t++) ss[t] = 0.0f;
 #pragma unroll
@@ -231,6 +236,15 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         if (!waited) {
             pdl_wait();
             waited = true;
+            // The residual this thread's output adds to (written by earlier kernels), read
+            // now so that its latency hides behind the products.
+            if (MODE == GEMVB_ACC) {
+#pragma unroll
+                for (int i = 0; i < R; i++)
+#pragma unroll
+                    for (int t = 0; t < N; t++)
+                        if (tid == i * N + t && ok[i] && t < n) resv = act_load(res, (long)t * mr[i] + rr[i]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -315,7 +329,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
                 if (MODE == GEMVB_NORM) s *= rstd[t];
                 const long e = (long)t * mr[i] + rr[i];
                 act_store(yr[i], e, s);
-                if (MODE == GEMVB_ACC) act_store(res, e, act_load(res, e) + act_load(yr[i], e));
+                if (MODE == GEMVB_ACC) act_store(res, e, resv + act_round(yr[i], s));
             }
         }
 }

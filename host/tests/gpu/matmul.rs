@@ -174,6 +174,7 @@ fn rms_norm_and_residual_add_fold_into_block_gemvs() {
         deepinfer::backend::cuda::CudaOptions {
             act: Some(Act::Bf16),
             fuse_norm: false,
+            fuse_add: false,
             ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
         },
     )

@@ -232,7 +232,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
 /// Folds `res += y` (`n` values) into the GEMV just queued when that GEMV alone writes `y`
 /// and a block-cooperative kernel takes the add; true when it did.
 pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
-    if !(inner.opts.fuse && inner.opts.fuse_norm) {
+    if !(inner.opts.fuse && inner.opts.fuse_add) {
         return false;
     }
     let act = inner.act();

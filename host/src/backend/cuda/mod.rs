@@ -77,9 +77,11 @@ pub struct CudaOptions {
     /// Pad decode steps to a bucket of batch sizes ([`step::bucket`]) so that one CUDA graph
     /// serves all the batch sizes of a bucket (only with `graphs`).
     pub buckets: bool,
-    /// Fold RMSNorms and residual adds into the neighbouring block-cooperative GEMVs (bf16
-    /// weights, up to 8 tokens).
+    /// Fold an RMSNorm into the block-cooperative GEMV that reads its output (bf16 weights
+    /// and activations, up to 8 tokens).
     pub fuse_norm: bool,
+    /// Fold a residual add into the block-cooperative GEMV that writes its addend (likewise).
+    pub fuse_add: bool,
 }
 
 impl Default for CudaOptions {
@@ -94,6 +96,7 @@ impl Default for CudaOptions {
             fuse2: false,
             buckets: true,
             fuse_norm: true,
+            fuse_add: true,
         }
     }
 }
@@ -101,7 +104,8 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
-    /// `DEEPINFER_CUDA_BUCKETS` and `DEEPINFER_CUDA_FUSE_NORM` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM` and `DEEPINFER_CUDA_FUSE_ADD`
+    /// (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -122,6 +126,7 @@ impl CudaOptions {
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
+        o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,
