@@ -82,6 +82,8 @@ pub struct CudaOptions {
     pub fuse_norm: bool,
     /// Fold a residual add into the block-cooperative GEMV that writes its addend (likewise).
     pub fuse_add: bool,
+    /// Fold the RoPE of queries and keys into the K/V cache write of attention (one launch).
+    pub fuse_rope_kv: bool,
 }
 
 impl Default for CudaOptions {
@@ -97,6 +99,7 @@ impl Default for CudaOptions {
             buckets: true,
             fuse_norm: true,
             fuse_add: true,
+            fuse_rope_kv: true,
         }
     }
 }
@@ -104,8 +107,8 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
-    /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM` and `DEEPINFER_CUDA_FUSE_ADD`
-    /// (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -127,6 +130,7 @@ impl CudaOptions {
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
+        o.fuse_rope_kv = !off("DEEPINFER_CUDA_FUSE_ROPE_KV");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,

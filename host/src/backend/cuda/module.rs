@@ -140,6 +140,8 @@ pub struct ActKernels {
     pub rope2: KernelId,
     pub gather_rows: KernelId,
     pub write_kv: KernelId,
+    /// RoPE of queries and keys plus the K/V cache write in one launch.
+    pub rope_kv: KernelId,
     /// By head dim 16, 32, 64, 128, 256 and query heads per block ([`DECODE_GROUPS`]).
     pub attn_decode: [[KernelId; 4]; 5],
     pub attn_combine: KernelId,
@@ -232,6 +234,7 @@ impl Module {
                 rope2: n("rope2")?,
                 gather_rows: n("gather_rows")?,
                 write_kv: n("write_kv")?,
+                rope_kv: n("rope_kv")?,
                 attn_decode: {
                     let mut a = [[KernelId(0); 4]; 5];
                     for (di, d) in [16, 32, 64, 128, 256].iter().enumerate() {

@@ -22,12 +22,18 @@ fn rows_of(x: &CudaBuf, width: usize) -> Result<(usize, usize)> {
     Ok((x.len / width, x.host_len / width))
 }
 
+/// Queues a copy of `n` values of `T` at `ptr` into `v` (the caller synchronizes once).
+fn download_into<T>(inner: &Inner, ptr: u64, v: &mut [T]) -> Result<()> {
+    // SAFETY: `ptr` holds `v.len()` values of `T` written by the queued kernel; the copy is
+    // ordered after it on the stream, and the caller keeps `v` alive and untouched until the
+    // stream is synchronized.
+    unsafe { result::memcpy_dtoh_async(v, ptr, inner.stream.cu_stream()) }
+        .map_err(|e| cuda_err("copy to host", e))
+}
+
 fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
     let mut v = vec![T::default(); n];
-    // SAFETY: `ptr` holds `n` values of `T` written by the queued kernel; the copy is ordered
-    // after it on the stream and complete once the stream is synchronized.
-    unsafe { result::memcpy_dtoh_async(v.as_mut_slice(), ptr, inner.stream.cu_stream()) }
-        .map_err(|e| cuda_err("copy to host", e))?;
+    download_into(inner, ptr, &mut v)?;
     inner.sync()?;
     Ok(v)
 }
@@ -75,8 +81,12 @@ pub(crate) fn top_k_rows(
         args: vec![ids.ptr(), vals.ptr(), x.ptr(), width as u64, k as u64],
     });
     inner.flush()?;
-    let i: Vec<u32> = download(inner, ids.ptr(), rows * k)?;
-    let v: Vec<f32> = download(inner, vals.ptr(), rows * k)?;
+    // Both copies queued, one wait.
+    let mut i = vec![0u32; rows * k];
+    let mut v = vec![0f32; rows * k];
+    download_into(inner, ids.ptr(), &mut i)?;
+    download_into(inner, vals.ptr(), &mut v)?;
+    inner.sync()?;
     Ok(i.chunks(k)
         .zip(v.chunks(k))
         .map(|(i, v)| i.iter().copied().zip(v.iter().copied()).collect())
