@@ -317,3 +317,46 @@ impl Drop for CudaStep {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{bucket, padding, Pad};
+    use crate::model::batch::Batch;
+
+    #[test]
+    fn buckets_round_up_and_stop_at_the_largest() {
+        assert_eq!(bucket(1), Some(1));
+        assert_eq!(bucket(3), Some(4));
+        assert_eq!(bucket(17), Some(24));
+        assert_eq!(bucket(24), Some(24));
+        assert_eq!(bucket(129), Some(192));
+        assert_eq!(bucket(512), Some(512));
+        assert_eq!(bucket(513), None);
+        for n in 1..=512 {
+            let b = bucket(n).unwrap();
+            assert!(b >= n && b < 2 * n.max(1) + 1, "{n} -> {b}");
+        }
+    }
+
+    #[test]
+    fn only_plain_decode_batches_are_padded() {
+        let decode = |n: usize| {
+            let mut b = Batch::default();
+            for i in 0..n {
+                b.push(&[7], 10 + i, vec![i as u32], true);
+            }
+            b
+        };
+        assert_eq!(padding(&decode(3), true), Some(Pad { real: 3, padded: 4 }));
+        assert_eq!(padding(&decode(3), false), None, "switched off");
+        assert_eq!(padding(&decode(4), true), None, "already a bucket");
+        let mut prefill = decode(2);
+        prefill.push(&[1, 2], 0, vec![9], true);
+        assert_eq!(padding(&prefill, true), None, "a sequence runs two tokens");
+        let mut no_logits = Batch::default();
+        for i in 0..3 {
+            no_logits.push(&[7], 10, vec![i], i != 1);
+        }
+        assert_eq!(padding(&no_logits, true), None, "a row without logits");
+    }
+}
