@@ -194,7 +194,8 @@ fn rope_matches_the_cpu_backend_for_both_styles() {
 
 /// RoPE of queries and keys followed by attention: the two RoPE launches and the K/V write
 /// fold into one launch (`rope_kv_*`); outputs bit-identical to the unfolded launches, two
-/// launches fewer per step, and within rounding of the CPU backend (prefill, then decode).
+/// launches fewer per step, and within rounding of the CPU backend (prefill, then decode;
+/// the attention output to the bf16 cache's rounding).
 #[test]
 fn rope_and_kv_write_fold_into_one_launch() {
     use deepinfer::backend::cuda::{CudaBackend, CudaOptions};
@@ -295,7 +296,10 @@ fn rope_and_kv_write_fold_into_one_launch() {
                 g.iter().zip(u).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{what}: folded and unfolded launches differ"
             );
-            assert_close(&what, g, w, tol(act, 1e-4));
+            // The attention output reads a bf16 cache (the CPU's is f32), as in the paged
+            // attention test above; the rotated q and k are plain f32 arithmetic.
+            let t = if i % 3 == 0 { 1e-2 } else { 1e-4 };
+            assert_close(&what, g, w, tol(act, t));
         }
     }
 }
