@@ -190,6 +190,56 @@ __device__ void write_kv_impl(bf16_t* kc, bf16_t* vc, const T* k, const T* v, co
     }
 }
 
+// One layer's RoPE of queries and keys and its K/V cache write in one launch: elements
+// [0, n*hq*half) rotate pairs of q, the next n*hk*half rotate pairs of k and also store them in
+// the token's cache slot, the last n*kv_width copy v into its slot. Same arithmetic as `rope`
+// followed by `write_kv`.
+template <typename T>
+__device__ void rope_kv_impl(T* q, T* k, const T* v, bf16_t* kc, bf16_t* vc, const long* slots, const float* cs,
+                             const float* sn, long n_tokens, int hq, int hk, int head_dim, int half, int style) {
+    const long nq = n_tokens * hq * half, nk = n_tokens * hk * half;
+    const long kvw = (long)hk * head_dim;
+    const long total = nq + nk + n_tokens * kvw;
+    for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long)gridDim.x * blockDim.x) {
+        if (e < nq + nk) {
+            const bool isq = e < nq;
+            const long f = isq ? e : e - nq;
+            const int heads = isq ? hq : hk;
+            T* x = isq ? q : k;
+            const int i = (int)(f % half);
+            const long th = f / half;  // token * heads + head
+            const long t = th / heads;
+            const long base = th * head_dim;
+            const long ia = style == 0 ? base + 2 * i : base + i;
+            const long ib = style == 0 ? ia + 1 : ia + half;
+            const float c = cs[t * half + i], s = sn[t * half + i];
+            const float a = act_load(x, ia), b = act_load(x, ib);
+            const float ra = a * c - b * s, rb = a * s + b * c;
+            act_store(x, ia, ra);
+            act_store(x, ib, rb);
+            if (!isq) {
+                const long o = slots[t] * kvw - t * kvw;  // cache index minus row index
+                kc[o + ia] = f32_to_bf16(ra);
+                kc[o + ib] = f32_to_bf16(rb);
+            }
+        } else {
+            const long f = e - nq - nk;
+            const long t = f / kvw;
+            vc[slots[t] * kvw + f % kvw] = f32_to_bf16(act_load(v, f));
+        }
+    }
+}
+
+#define ROPE_KV_WRAPPER(T, S)                                                                                      \
+    extern "C" __global__ void rope_kv_##S(T* q, T* k, const T* v, bf16_t* kc, bf16_t* vc, const long* slots,      \
+                                           const float* cs, const float* sn, long n_tokens, int hq, int hk,        \
+                                           int head_dim, int half, int style) {                                    \
+        PDL_ENTRY();                                                                                               \
+        rope_kv_impl<T>(q, k, v, kc, vc, slots, cs, sn, n_tokens, hq, hk, head_dim, half, style);                  \
+    }
+ROPE_KV_WRAPPER(float, f32)
+ROPE_KV_WRAPPER(bf16_t, bf16)
+
 extern "C" __global__ void write_kv_f32(bf16_t* kc, bf16_t* vc, const float* k, const float* v, const long* slots,
                                         long kv_width) { PDL_ENTRY();
     write_kv_impl<float>(kc, vc, k, v, slots, kv_width);

@@ -165,10 +165,30 @@ GEMV_ALL(bf16_t, bf16)
 // Small blocks of rows keep the grid many blocks deep, so the tail of the launch is short.
 #define GEMVB_THREADS 256
 
-template <typename T, int WT, int N, int R, int U>
+//
+// MODE folds a neighbouring row-wise operation into the product (one launch instead of two):
+// - GEMVB_PLAIN: y = W x.
+// - GEMVB_NORM, an RMSNorm before it: x is the raw row and y = rstd * W (x * g) with
+//   rstd = 1 / sqrt(mean(x^2) + eps); each token's sum of squares is accumulated beside the
+//   products from the same loads and reduced with them. The normalized rows are written to h
+//   as the separate norm would (each block writes a slice), for any later reader.
+// - GEMVB_ACC, a residual add after it (one segment): y = W x, then res += y, rounded as the
+//   separate add kernel rounds.
+#define GEMVB_PLAIN 0
+#define GEMVB_NORM 1
+#define GEMVB_ACC 2
+
+// An activation rounded to its storage type, kept as float.
+__device__ __forceinline__ float act_round(const float*, float v) { return v; }
+__device__ __forceinline__ float act_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+template <typename T, int WT, int N, int R, int U, int MODE>
 __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0,
-                                           int m1, int m2, const T* x, int n, int k, long row_bytes) {
-    __shared__ float red[GEMVB_THREADS / 32][R * N];
+                                           int m1, int m2, const T* x, int n, int k, long row_bytes,
+                                           const float* g, float eps, T* h, T* res) {
+    constexpr int RED = R * N + (MODE == GEMVB_NORM ? N : 0);
+    __shared__ float red[GEMVB_THREADS / 32][RED];
+    __shared__ float rstd[N];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     pdl_launch_dependents();
     bool waited = false;
@@ -193,6 +213,10 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         wr[i] += rr[i] * row_bytes;
     }
     float acc[R][N];
+    float ss[N];
+    float resv = 0.0f;
+#pragma unroll
+    for (int t = 0; t < N; t++) ss[t] = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; i++)
 #pragma unroll
@@ -212,16 +236,39 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         if (!waited) {
             pdl_wait();
             waited = true;
+            // The residual this thread's output adds to (written by earlier kernels), read
+            // now so that its latency hides behind the products.
+            if (MODE == GEMVB_ACC) {
+#pragma unroll
+                for (int i = 0; i < R; i++)
+#pragma unroll
+                    for (int t = 0; t < N; t++)
+                        if (tid == i * N + t && ok[i] && t < n) resv = act_load(res, (long)t * mr[i] + rr[i]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = c0 + GEMVB_THREADS * u;
             if (c < nch) {
+                float gf[8];
+                if (MODE == GEMVB_NORM) {
+                    const float4 ga = *reinterpret_cast<const float4*>(g + (long)c * 8);
+                    const float4 gb = *reinterpret_cast<const float4*>(g + (long)c * 8 + 4);
+                    gf[0] = ga.x; gf[1] = ga.y; gf[2] = ga.z; gf[3] = ga.w;
+                    gf[4] = gb.x; gf[5] = gb.y; gf[6] = gb.z; gf[7] = gb.w;
+                }
 #pragma unroll
                 for (int t = 0; t < N; t++) {
                     if (N == 1 || t < n) {
                         float xf[8];
                         act_load8(x + (long)t * k + (long)c * 8, xf);
+                        if (MODE == GEMVB_NORM) {
+#pragma unroll
+                            for (int j = 0; j < 8; j++) {
+                                ss[t] = fmaf(xf[j], xf[j], ss[t]);
+                                xf[j] *= gf[j];
+                            }
+                        }
 #pragma unroll
                         for (int i = 0; i < R; i++) {
                             float wf[8];
@@ -245,7 +292,31 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
             const float s = warp_sum(acc[i][t]);
             if (lane == 0) red[warp][i * N + t] = s;
         }
+    if (MODE == GEMVB_NORM) {
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            const float s = warp_sum(ss[t]);
+            if (lane == 0) red[warp][RED - N + t] = s;
+        }
+    }
     __syncthreads();
+    if (MODE == GEMVB_NORM) {
+        if (tid < N) {
+            float s = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi][RED - N + tid];
+            rstd[tid] = 1.0f / sqrtf(s / (float)k + eps);
+        }
+        __syncthreads();
+        // This block's slice of the normalized rows: 16-byte chunks blockIdx.x, + gridDim.x, ...
+        if (h != nullptr && tid < 8 * n) {
+            const int t = tid >> 3, j = tid & 7;
+            for (long c = blockIdx.x; c < (k >> 3); c += gridDim.x) {
+                const long e = c * 8 + j;
+                act_store(h, (long)t * k + e, act_load(x, (long)t * k + e) * rstd[t] * g[e]);
+            }
+        }
+    }
     // Compile-time row and token indices, so the per-row arrays stay in registers.
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -255,34 +326,38 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
                 float s = 0.0f;
 #pragma unroll
                 for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi][i * N + t];
-                act_store(yr[i], (long)t * mr[i] + rr[i], s);
+                if (MODE == GEMVB_NORM) s *= rstd[t];
+                const long e = (long)t * mr[i] + rr[i];
+                act_store(yr[i], e, s);
+                if (MODE == GEMVB_ACC) act_store(res, e, resv + act_round(yr[i], s));
             }
         }
 }
 
-// gemvb_<weight>_n<N>_r<R>u<U>_<act>
-#define GEMVB_WRAPPER(T, S, WT, WS, N, R, U)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvb_##WS##_n##N##_r##R##u##U##_##S(                \
+// gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add)
+#define GEMVB_WRAPPER(T, S, WT, WS, N, R, U, MODE, MS)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvb##MS##_##WS##_n##N##_r##R##u##U##_##S(        \
         const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2, const T* x, int n, \
-        int k, long row_bytes) {                                                                                  \
-        gemvb_impl<T, WT, N, R, U>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, n, k, row_bytes);                      \
+        int k, long row_bytes, const float* g, float eps, T* h, T* res) {                                        \
+        gemvb_impl<T, WT, N, R, U, MODE>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, n, k, row_bytes, g, eps, h, res); \
     }
 
 // Shapes: (R, U) = (4, 2) for k <= 4096, (2, 4) for k <= 8192, (1, 8) beyond; N = 1, 2, 4, 8.
-#define GEMVB_SHAPES(T, S, WT, WS, N)      \
-    GEMVB_WRAPPER(T, S, WT, WS, N, 4, 2)   \
-    GEMVB_WRAPPER(T, S, WT, WS, N, 2, 4)   \
-    GEMVB_WRAPPER(T, S, WT, WS, N, 1, 8)
-#define GEMVB_ALL(T, S)                    \
-    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 1)  \
-    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 2)  \
-    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 4)  \
-    GEMVB_SHAPES(T, S, WT_BF16, bf16w, 8)  \
-    GEMVB_SHAPES(T, S, WT_F16, f16w, 1)    \
-    GEMVB_SHAPES(T, S, WT_F16, f16w, 2)    \
-    GEMVB_SHAPES(T, S, WT_F16, f16w, 4)    \
-    GEMVB_SHAPES(T, S, WT_F16, f16w, 8)
+#define GEMVB_SHAPES(T, S, WT, WS, N, MODE, MS)    \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 4, 2, MODE, MS) \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 2, 4, MODE, MS) \
+    GEMVB_WRAPPER(T, S, WT, WS, N, 1, 8, MODE, MS)
+#define GEMVB_TOKENS(T, S, WT, WS, MODE, MS)  \
+    GEMVB_SHAPES(T, S, WT, WS, 1, MODE, MS)   \
+    GEMVB_SHAPES(T, S, WT, WS, 2, MODE, MS)   \
+    GEMVB_SHAPES(T, S, WT, WS, 4, MODE, MS)   \
+    GEMVB_SHAPES(T, S, WT, WS, 8, MODE, MS)
+// The folded modes only for bf16 weights and activations (the Llama-3 shapes).
+#define GEMVB_PLAIN_ALL(T, S)                           \
+    GEMVB_TOKENS(T, S, WT_BF16, bf16w, GEMVB_PLAIN, )   \
+    GEMVB_TOKENS(T, S, WT_F16, f16w, GEMVB_PLAIN, )
 
-GEMVB_ALL(float, f32)
-GEMVB_ALL(bf16_t, bf16)
-
+GEMVB_PLAIN_ALL(float, f32)
+GEMVB_PLAIN_ALL(bf16_t, bf16)
+GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_NORM, n)
+GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_ACC, a)

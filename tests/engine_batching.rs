@@ -5,9 +5,13 @@
 
 mod common;
 
+use std::sync::Arc;
+
+use deepinfer::config::Config;
 use deepinfer::kv_cache::KvBudget;
+use deepinfer::plugins::{CacheDir, PluginHost};
 use deepinfer::runtime::{EngineOptions, FinishReason, Llm, PromptInput, Request, RequestOutput};
-use deepinfer::sampling::SamplingParams;
+use deepinfer::sampling::{BatchSampler, SamplingParams};
 
 const MAX_TOKENS: usize = 6;
 
@@ -258,4 +262,55 @@ fn samples_seeds_and_stop_strings_keep_their_meaning() {
     assert_eq!(stopped[0].text, want);
     assert_eq!(stopped[0].finish_reason, FinishReason::Stop);
     assert!(stopped[0].token_ids.len() < one[0].token_ids.len());
+}
+
+#[test]
+fn top_candidates_selected_by_the_model_sample_like_full_rows() {
+    // With `select_candidates` the model hands the sampler each row's top-K (on a GPU it selects
+    // them there); a run that brings back full rows must sample exactly the same tokens, for
+    // greedy, seeded, penalized requests and one with a logit bias (which needs full rows, so
+    // its steps switch back to them).
+    let prompt = |i: usize| PromptInput::Text(format!("Story {i}: once upon a time"));
+    let mut reqs = Vec::new();
+    for i in 0..6 {
+        let params = SamplingParams {
+            temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
+            top_p: 0.95,
+            repetition_penalty: if i == 3 { 1.3 } else { 1.0 },
+            seed: Some(100 + i as u64),
+            max_tokens: 8,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        reqs.push(Request::new(format!("r{i}"), prompt(i), params));
+    }
+    let mut biased = SamplingParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    biased.logit_bias = vec![(42, 5.0)];
+    reqs.push(Request::new("bias", prompt(9), biased));
+    // The builtin `standard` plugin (what `generate` samples with) asks for its top 256.
+    let cache = tempfile::tempdir().expect("tempdir");
+    let host = PluginHost::new(&CacheDir::At(cache.path().to_path_buf())).expect("plugin host");
+    let sampler: Arc<dyn BatchSampler> = Arc::new(
+        host.load_sampler(&Config::default(), "standard")
+            .expect("the builtin sampler loads"),
+    );
+    assert!(sampler.candidates_wanted(&reqs[0].params).is_some());
+    let with = |select_candidates| {
+        let opts = EngineOptions {
+            select_candidates,
+            ..Default::default()
+        };
+        Llm::new(common::default_model(), sampler.clone(), opts).expect("the engine starts")
+    };
+    let (selected, full) = (with(true), with(false));
+    let a = tokens(&run(&selected, &reqs));
+    let b = tokens(&run(&full, &reqs));
+    assert_eq!(a, b);
+    // Without the biased request every step takes the selected path.
+    let c = tokens(&run(&selected, &reqs[..6]));
+    assert_eq!(c, b[..6]);
 }

@@ -101,6 +101,7 @@ fn per_step(c: &mut Criterion) {
         let rows: Vec<SampleRow<'_>> = (0..n)
             .map(|i| SampleRow {
                 logits: &all_logits[i],
+                candidates: None,
                 params: &p,
                 seed: i as u64,
                 step: 3,

@@ -168,6 +168,231 @@ mod gpu {
         );
     }
 
+    /// A bf16 Llama shape whose rows are long enough (k >= 2048) for the block-cooperative
+    /// GEMVs, small enough to load in a moment.
+    fn wide_bf16_shape() -> random::Shape {
+        random::Shape {
+            name: "wide-test",
+            hidden: 2048,
+            layers: 2,
+            heads: 16,
+            kv_heads: 4,
+            ffn: 2304,
+            vocab: 4096,
+            rope_theta: 10000.0,
+            tie_embeddings: false,
+        }
+    }
+
+    /// Two backends, decode steps padded to a bucket or not (graphs on in both).
+    fn backends() -> (CudaBackend, CudaBackend) {
+        let opts = CudaOptions::from_env().unwrap();
+        let make = |buckets| {
+            CudaBackend::new(
+                0,
+                CudaOptions {
+                    graphs: true,
+                    buckets,
+                    ..opts.clone()
+                },
+            )
+            .unwrap()
+        };
+        (make(true), make(false))
+    }
+
+    /// `n` sequences each prefilled with 5..=7 tokens (blocks of 16, 4 per sequence), then
+    /// `steps` decode steps of all of them; each decode step's logits.
+    fn decode_run(m: &dyn CausalLm, n: usize, steps: usize) -> Vec<Vec<f32>> {
+        let vocab = m.config().vocab;
+        let mut kv = m.new_kv(4 * n, 16).unwrap();
+        let table = |i: usize| (4 * i as u32..4 * i as u32 + 4).collect::<Vec<u32>>();
+        let plen = |i: usize| 5 + i % 3;
+        let mut b = Batch::default();
+        for i in 0..n {
+            let t: Vec<u32> = (0..plen(i))
+                .map(|j| ((i * 31 + j * 7 + 11) % vocab) as u32)
+                .collect();
+            b.push(&t, 0, table(i), true);
+        }
+        m.forward(&b, &mut kv).unwrap();
+        (0..steps)
+            .map(|s| {
+                let mut b = Batch::default();
+                for i in 0..n {
+                    let t = ((i * 13 + s * 17 + 40) % vocab) as u32;
+                    b.push(&[t], plen(i) + s, table(i), true);
+                }
+                m.forward(&b, &mut kv).unwrap()
+            })
+            .collect()
+    }
+
+    /// Decode steps of 3, 5 and 17 sequences padded to their buckets (4, 8, 24) against the
+    /// same steps unpadded: the real rows must be bit-identical where the products run
+    /// through the GEMV kernels (up to 8 tokens, the same kernel for the real and the padded
+    /// count); through cuBLAS (17 -> 24 tokens) cuBLAS may pick another kernel for another
+    /// size, so there the rows must agree to rounding. All against the CPU backend too.
+    fn padded_against_unpadded(
+        what: &str,
+        gpu: impl Fn(CudaBackend) -> Box<dyn CausalLm>,
+        cpu: &dyn CausalLm,
+        gemm_tol: f64,
+        cpu_tol: f64,
+    ) {
+        let (on, off) = backends();
+        let (padded, plain) = (gpu(on.clone()), gpu(off.clone()));
+        let vocab = cpu.config().vocab;
+        for n in [3usize, 5, 17] {
+            let before = on.stats();
+            let a = decode_run(padded.as_ref(), n, 3);
+            let b = decode_run(plain.as_ref(), n, 3);
+            let after = on.stats();
+            assert!(
+                after.graph_launches >= before.graph_launches + 1,
+                "{what} n={n}: padded decode steps were not replayed as a graph"
+            );
+            for (s, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert_eq!(
+                    x.len(),
+                    n * vocab,
+                    "{what} n={n}: logits of the real rows only"
+                );
+                let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+                let e = rel_err(x, y);
+                eprintln!("{what} n={n} step {s}: padded vs unpadded bit-identical {same}, relative error {e:.2e}");
+                if n <= 8 {
+                    assert!(
+                        same,
+                        "{what} n={n} step {s}: padded rows differ from the unpadded run ({e:.2e})"
+                    );
+                } else {
+                    assert!(e < gemm_tol, "{what} n={n} step {s}: {e:.3e}");
+                }
+            }
+            compare(
+                &format!("{what} n={n} padded vs cpu"),
+                &a,
+                &decode_run(cpu, n, 3),
+                vocab,
+                cpu_tol,
+                0.0,
+            );
+        }
+    }
+
+    #[test]
+    fn padded_decode_steps_match_unpadded_ones() {
+        if skip() {
+            return;
+        }
+        // f32 weights and activations: warp-per-row GEMVs, f32 cuBLAS.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        let (meta, tensors) = TinyLlama {
+            layers: 2,
+            hidden: 256,
+            heads: 4,
+            kv_heads: 2,
+            ffn: 512,
+            context: 1024,
+            seed: 5,
+        }
+        .build();
+        gguf_writer::write(&path, &meta, &tensors).unwrap();
+        let cpu = deepinfer::model::load(&path, Device::Cpu { threads: 2 }).unwrap();
+        let g = gguf::GgufFile::open(&path).unwrap();
+        let cfg = gguf_config::model_config(&g).unwrap();
+        padded_against_unpadded(
+            "tiny llama (f32)",
+            |be| Box::new(Llama::load(cfg.clone(), &g, be).unwrap()),
+            cpu.model.as_ref(),
+            1e-5,
+            1e-2,
+        );
+        // bf16 weights and activations: block-cooperative GEMVs, bf16 cuBLAS.
+        let shape = wide_bf16_shape();
+        let src = random::RandomWeights {
+            seed: 7,
+            tie_embeddings: false,
+        };
+        let cpu = deepinfer::model::arch::build(shape.config(), &src, Device::Cpu { threads: 2 })
+            .unwrap();
+        padded_against_unpadded(
+            "wide random llama (bf16)",
+            |be| Box::new(Llama::load(shape.config(), &src, be).unwrap()),
+            cpu.as_ref(),
+            2e-2,
+            6e-2,
+        );
+    }
+
+    /// Decode steps whose batch size changes every step (3..=24 sequences, three rounds):
+    /// with buckets, graphs are captured in the first round only (one per bucket that saw two
+    /// steps in a row) and every step of the later rounds replays one.
+    #[test]
+    fn graph_count_stays_bounded_when_the_batch_size_varies() {
+        if skip() {
+            return;
+        }
+        let shape = wide_bf16_shape();
+        let src = random::RandomWeights {
+            seed: 8,
+            tie_embeddings: false,
+        };
+        let (on, off) = backends();
+        let sizes = [3usize, 4, 5, 6, 7, 8, 9, 12, 16, 17, 20, 24];
+        let buckets: std::collections::BTreeSet<usize> = sizes
+            .iter()
+            .map(|&n| deepinfer::backend::cuda::bucket(n).unwrap())
+            .collect();
+        for (be, padded) in [(on, true), (off, false)] {
+            let m = Llama::load(shape.config(), &src, be.clone()).unwrap();
+            let mut kv = m.new_kv(8 * 24, 16).unwrap();
+            // Contexts stay within (64, 128], one block-table width and split count.
+            let mut pos = vec![66usize; 24];
+            let mut rounds = Vec::new();
+            for round in 0..3 {
+                for &n in &sizes {
+                    let mut b = Batch::default();
+                    for (i, p) in pos.iter_mut().enumerate().take(n) {
+                        let table: Vec<u32> = (8 * i as u32..8 * i as u32 + 8).collect();
+                        b.push(
+                            &[((i * 7 + round * 3 + n) % shape.vocab) as u32],
+                            *p,
+                            table,
+                            true,
+                        );
+                        *p += 1;
+                    }
+                    let logits = m.forward(&b, &mut kv).unwrap();
+                    assert_eq!(logits.len(), n * shape.vocab);
+                    assert!(logits.iter().all(|v| v.is_finite()));
+                }
+                rounds.push(be.stats());
+            }
+            eprintln!("buckets {padded}: queue after each round {rounds:?}");
+            if padded {
+                let (first, last) = (rounds[0], rounds[2]);
+                assert!(
+                    first.graph_captures <= buckets.len() as u64,
+                    "{} captures for {} buckets",
+                    first.graph_captures,
+                    buckets.len()
+                );
+                assert_eq!(
+                    last.graph_captures, first.graph_captures,
+                    "graphs captured after the first round"
+                );
+                assert_eq!(
+                    last.graph_launches - first.graph_launches,
+                    2 * sizes.len() as u64,
+                    "every later step replays a graph"
+                );
+            }
+        }
+    }
+
     fn default_model_path() -> Option<PathBuf> {
         let p = match std::env::var_os("DEEPINFER_MODEL") {
             Some(p) => PathBuf::from(p),

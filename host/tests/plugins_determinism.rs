@@ -59,6 +59,7 @@ fn generate(s: &dyn BatchSampler, n: usize, steps: u64) -> Vec<Vec<u32>> {
         let rows: Vec<SampleRow<'_>> = (0..n)
             .map(|i| SampleRow {
                 logits: &logits[i],
+                candidates: None,
                 params: &reqs[i].0,
                 seed: reqs[i].1,
                 step,

@@ -40,6 +40,7 @@ fn run(s: &WasmSampler, seeds: &[u64]) -> Vec<Result<u32, String>> {
         .zip(&logits)
         .map(|(&seed, l)| SampleRow {
             logits: l,
+            candidates: None,
             params: &p,
             seed,
             step: 0,

@@ -5,7 +5,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 use crate::model::batch::Batch;
-use crate::model::{CausalLm, KvCache};
+use crate::model::{CausalLm, KvCache, Logits, LogitsWant};
 
 const BLOCK: usize = 16;
 
@@ -116,7 +116,8 @@ impl<'m> PrefillBench<'m> {
             let last = pos + part.len() == start + tokens.len();
             let mut b = Batch::default();
             b.push(part, pos, self.table.clone(), last);
-            self.model.forward(&b, &mut self.kv)?;
+            self.model
+                .forward_select(&b, &mut self.kv, LogitsWant::Argmax)?;
             pos += part.len();
         }
         Ok(())
@@ -150,8 +151,7 @@ pub fn decode_steps(
             table.clone(),
             true,
         );
-        let logits = model.forward(&b, &mut kv)?;
-        last.push(argmax(&logits));
+        last.push(greedy(model, &b, &mut kv)?[0]);
     }
     let mut times = Vec::with_capacity(steps);
     for s in 0..steps {
@@ -160,23 +160,21 @@ pub fn decode_steps(
             b.push(&[last[i]], prompt_len + s, table.clone(), true);
         }
         let t = Instant::now();
-        let logits = model.forward(&b, &mut kv)?;
+        last = greedy(model, &b, &mut kv)?;
         times.push(t.elapsed().as_secs_f64());
-        for (i, l) in logits.chunks_exact(vocab).enumerate() {
-            last[i] = argmax(l);
-        }
     }
     Ok(times)
 }
 
-fn argmax(l: &[f32]) -> TokenId {
-    let mut best = 0;
-    for (i, &v) in l.iter().enumerate() {
-        if v > l[best] {
-            best = i;
-        }
+/// The greedy token of each row of `b` (selected where the model runs: on a GPU only the ids
+/// come back, as in a framework whose decode loop takes the argmax on the device).
+fn greedy(model: &dyn CausalLm, b: &Batch, kv: &mut KvCache) -> Result<Vec<TokenId>> {
+    match model.forward_select(b, kv, LogitsWant::Argmax)? {
+        Logits::Argmax(ids) if ids.len() == b.logits_for.len() => Ok(ids),
+        _ => Err(Error::BadRequest(
+            "the model answered an argmax request with something else".into(),
+        )),
     }
-    best as TokenId
 }
 
 #[cfg(test)]

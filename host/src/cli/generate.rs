@@ -108,6 +108,10 @@ pub struct GenerateArgs {
     /// Plan each step only after the previous one's results (no CPU/compute overlap).
     #[arg(long)]
     pub sync_scheduling: bool,
+    /// Bring every step's full logits rows back to the host, even when the sampler needs only
+    /// its top candidates (which are otherwise selected on the device). Same results.
+    #[arg(long)]
+    pub full_logits: bool,
     /// Compute threads (default: the config's, else all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -174,6 +178,7 @@ fn engine_options(a: &GenerateArgs) -> EngineOptions {
         max_num_batched_tokens: a.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
         enable_prefix_caching: !a.no_prefix_caching,
         async_scheduling: !a.sync_scheduling,
+        select_candidates: !a.full_logits,
         seed: a.seed.unwrap_or(0),
         progress: !a.no_progress,
         ..d

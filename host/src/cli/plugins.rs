@@ -220,6 +220,7 @@ fn check_one(config: &Config, host: &PluginHost, name: &str) -> anyhow::Result<S
         .iter()
         .map(|p| SampleRow {
             logits: &logits,
+            candidates: None,
             params: p,
             seed: 1,
             step: 0,

@@ -22,6 +22,8 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
+use crate::ids::TokenId;
+use crate::sampling::Candidate;
 use crate::tensor::Weight;
 use batch::Batch;
 use chat::ChatTemplate;
@@ -55,6 +57,80 @@ impl KvCache {
     }
 }
 
+/// The most candidates per row a caller may ask of [`CausalLm::forward_select`]; past this it
+/// asks for full rows (device top-K kernels hold their candidates on chip).
+pub const SELECT_MAX_K: usize = 1024;
+
+/// How much of each logits row [`CausalLm::forward_select`] brings back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// Every vocabulary entry.
+    Full,
+    /// The `k` largest logits with their ids (`1 ..= SELECT_MAX_K`).
+    TopK(usize),
+    /// Only the id of the largest logit.
+    Argmax,
+}
+
+/// The logits of the rows in `batch.logits_for`, as much of them as was asked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Logits {
+    /// `[rows, vocab]`.
+    Full(Vec<f32>),
+    /// Per row the `k` largest, largest first, ties by the lower id.
+    TopK(Vec<Vec<Candidate>>),
+    /// Per row the id of the largest logit (ties: the lower id).
+    Argmax(Vec<TokenId>),
+}
+
+impl Logits {
+    /// Selects on the host from full rows of `vocab` logits (what a model without a device
+    /// selection does; the same order as the device kernels).
+    pub fn select(full: Vec<f32>, vocab: usize, want: LogitsWant) -> Result<Logits> {
+        if vocab == 0 || full.len() % vocab != 0 {
+            return Err(Error::BadRequest(format!(
+                "{} logits are not whole rows of {vocab}",
+                full.len()
+            )));
+        }
+        Ok(match want {
+            LogitsWant::Full => Logits::Full(full),
+            LogitsWant::TopK(k) => {
+                check_k(k)?;
+                Logits::TopK(
+                    full.chunks_exact(vocab)
+                        .map(|r| {
+                            let mut top = Vec::new();
+                            crate::plugins::candidates::top_k_into(r, k, &mut top);
+                            top
+                        })
+                        .collect(),
+                )
+            }
+            LogitsWant::Argmax => Logits::Argmax(crate::backend::select::argmax_rows(&full, vocab)),
+        })
+    }
+
+    /// Number of rows.
+    pub fn rows(&self, vocab: usize) -> usize {
+        match self {
+            Logits::Full(v) => v.len().checked_div(vocab).unwrap_or(0),
+            Logits::TopK(r) => r.len(),
+            Logits::Argmax(r) => r.len(),
+        }
+    }
+}
+
+/// `k` is a candidate count [`CausalLm::forward_select`] takes.
+pub fn check_k(k: usize) -> Result<()> {
+    if k == 0 || k > SELECT_MAX_K {
+        return Err(Error::BadRequest(format!(
+            "asked for {k} candidates per row (1 ..= {SELECT_MAX_K})"
+        )));
+    }
+    Ok(())
+}
+
 /// A decoder-only language model.
 pub trait CausalLm: Send + Sync {
     fn config(&self) -> &ModelConfig;
@@ -68,6 +144,13 @@ pub trait CausalLm: Send + Sync {
     /// Runs every token of `batch`, writing their K/V into `kv`, and returns the logits of the
     /// tokens listed in `batch.logits_for` (`[logits_for.len(), vocab]`).
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>>;
+
+    /// [`CausalLm::forward`], bringing back only what `want` asks of each row. A model on a
+    /// device selects there, so that a decode step copies ids and a few values instead of
+    /// whole vocabulary rows; the default selects on the host from full rows.
+    fn forward_select(&self, batch: &Batch, kv: &mut KvCache, want: LogitsWant) -> Result<Logits> {
+        Logits::select(self.forward(batch, kv)?, self.config().vocab, want)
+    }
 
     /// What [`CausalLm::new_kv`] stores per layer group, for sizing the cache from a memory
     /// budget. Default: f32 K and V of the config's KV heads in every layer.
@@ -156,4 +239,55 @@ pub fn load(path: &Path, device: Device) -> Result<LoadedModel> {
         tokenizer,
         chat_template,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_selection_keeps_the_order_the_samplers_use() {
+        let vocab = 7;
+        let full = vec![
+            0.5,
+            2.0,
+            -1.0,
+            2.0,
+            f32::NAN,
+            1.5,
+            0.0, //
+            -3.0,
+            -2.0,
+            -1.0,
+            -4.0,
+            -1.0,
+            -5.0,
+            -6.0,
+        ];
+        let top = Logits::select(full.clone(), vocab, LogitsWant::TopK(3)).unwrap();
+        let ids = |c: &Vec<Candidate>| c.iter().map(|c| c.id).collect::<Vec<_>>();
+        match &top {
+            Logits::TopK(rows) => {
+                assert_eq!(rows.len(), 2);
+                // Ties by the lower id; NaN counts as the lowest value.
+                assert_eq!(ids(&rows[0]), vec![1, 3, 5]);
+                assert_eq!(ids(&rows[1]), vec![2, 4, 1]);
+                for (r, row) in rows.iter().enumerate() {
+                    let want = crate::sampling::top_k_candidates(&full[r * vocab..][..vocab], 3);
+                    assert_eq!(ids(row), ids(&want));
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(top.rows(vocab), 2);
+        let arg = Logits::select(full.clone(), vocab, LogitsWant::Argmax).unwrap();
+        assert_eq!(arg, Logits::Argmax(vec![1, 2]));
+        let back = Logits::select(full.clone(), vocab, LogitsWant::Full).unwrap();
+        assert!(
+            matches!(&back, Logits::Full(v) if v.len() == full.len() && v[4].is_nan() && v[5] == 1.5)
+        );
+        assert!(Logits::select(full.clone(), vocab, LogitsWant::TopK(0)).is_err());
+        assert!(Logits::select(full.clone(), vocab, LogitsWant::TopK(SELECT_MAX_K + 1)).is_err());
+        assert!(Logits::select(full, 6, LogitsWant::Argmax).is_err());
+    }
 }

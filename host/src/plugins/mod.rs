@@ -12,7 +12,7 @@ mod abi;
 mod bindings;
 mod builtin;
 mod cache;
-mod candidates;
+pub(crate) mod candidates;
 mod constraint;
 mod engine;
 mod limits;

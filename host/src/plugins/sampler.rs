@@ -201,17 +201,24 @@ impl WasmSampler {
         b.logits.clear();
         b.vocab_size = vocab as u32;
         for r in rows {
-            top_k_into(r.logits, self.manifest.top_k as usize, &mut inst.top);
             let start = b.candidate_ids.len();
-            for c in &inst.top {
+            let top = match r.candidates {
+                Some(c) => &c.top[..c.top.len().min(self.manifest.top_k as usize)],
+                None => {
+                    top_k_into(r.logits, self.manifest.top_k as usize, &mut inst.top);
+                    &inst.top[..]
+                }
+            };
+            for c in top {
                 b.candidate_ids.push(c.id);
                 b.candidate_logits.push(c.logit);
             }
             for &(t, _) in &r.params.logit_bias {
+                // Biased tokens come from full rows (`candidates_wanted` asks for those then).
                 let fresh = (t as usize) < vocab && !b.candidate_ids[start..].contains(&t);
-                if fresh {
+                if let (true, Some(&l)) = (fresh, r.logits.get(t as usize)) {
                     b.candidate_ids.push(t);
-                    b.candidate_logits.push(r.logits[t as usize]);
+                    b.candidate_logits.push(l);
                 }
             }
             let wants_history = match self.history {
@@ -240,8 +247,8 @@ impl WasmSampler {
         &self,
         rows: &[SampleRow<'_>],
     ) -> std::result::Result<Vec<Result<TokenId, String>>, String> {
-        let vocab = rows[0].logits.len();
-        if rows.iter().any(|r| r.logits.len() != vocab) {
+        let vocab = rows[0].vocab();
+        if rows.iter().any(|r| r.vocab() != vocab) {
             return Err("rows of one batch have different vocabulary sizes".into());
         }
         let mut inst = self
@@ -308,6 +315,13 @@ impl WasmSampler {
 }
 
 impl BatchSampler for WasmSampler {
+    /// The manifest's candidate count, unless the plugin reads full logits or the row has a
+    /// logit bias (biased tokens outside the top-K are added from the full row).
+    fn candidates_wanted(&self, params: &SamplingParams) -> Option<usize> {
+        (!self.manifest.full_logits && params.logit_bias.is_empty())
+            .then_some(self.manifest.top_k as usize)
+    }
+
     fn sample_batch(&self, rows: &[SampleRow<'_>]) -> Vec<Result<TokenId, String>> {
         if rows.is_empty() {
             return Vec::new();

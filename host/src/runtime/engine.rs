@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::constraint_stage::run_constraint_worker;
-use super::executor::{run_executor, ExecutorIo};
+use super::executor::{run_executor, ExecutorIo, LogitsPolicy};
 use super::messages::{EngineEvent, OutputMsg, StepDone};
 use super::output_stage::{run_output_stage, OutputIo, OutputSpec};
 use super::progress::Progress;
@@ -51,6 +51,8 @@ pub struct RunContext<'a> {
     pub model: &'a LoadedModel,
     pub sampler: &'a dyn BatchSampler,
     pub async_scheduling: bool,
+    /// See `EngineOptions::select_candidates`.
+    pub select_candidates: bool,
     pub progress: bool,
 }
 
@@ -180,6 +182,16 @@ pub fn run(
             matchers.push((seq, m));
         }
     }
+    let policy = LogitsPolicy {
+        base,
+        per_request: (requests.iter().zip(&constrained))
+            .map(|(r, &c)| {
+                let ok = ctx.select_candidates && !c;
+                ok.then(|| ctx.sampler.candidates_wanted(&r.params))
+                    .flatten()
+            })
+            .collect(),
+    };
     let settings = SeqSettings {
         constrained,
         ..settings
@@ -213,6 +225,7 @@ pub fn run(
                 plans: plan_rx,
                 sampled: tok_rx,
                 jobs: job_tx,
+                logits: policy,
             };
             let samp_io = SamplerIo {
                 jobs: job_rx,

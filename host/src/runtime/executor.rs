@@ -13,7 +13,7 @@ use super::messages::{SampleJob, SampledTokens, StepTiming};
 use crate::ids::TokenId;
 use crate::kv_cache::SeqId;
 use crate::model::batch::Batch;
-use crate::model::{CausalLm, KvCache};
+use crate::model::{CausalLm, KvCache, Logits, LogitsWant, SELECT_MAX_K};
 use crate::scheduler::{BlockTables, SchedulerOutput};
 
 /// The executor's channels.
@@ -21,6 +21,39 @@ pub struct ExecutorIo {
     pub plans: Receiver<Arc<SchedulerOutput>>,
     pub sampled: Receiver<SampledTokens>,
     pub jobs: Sender<SampleJob>,
+    pub logits: LogitsPolicy,
+}
+
+/// How much of its logits rows each request's sampler needs, decided once per run: a step
+/// whose sampling rows all need only their top candidates asks the model for those (on a GPU
+/// they are selected there and only they cross to the host), any other step for full rows.
+#[derive(Debug, Clone, Default)]
+pub struct LogitsPolicy {
+    /// Request id of index 0.
+    pub base: u64,
+    /// Per request index: `Some(k)` when `k` top candidates suffice, `None` for full rows.
+    pub per_request: Vec<Option<usize>>,
+}
+
+impl LogitsPolicy {
+    /// What step `out` asks of the model.
+    pub fn want(&self, out: &SchedulerOutput) -> LogitsWant {
+        let mut k = 0;
+        for e in out.seqs.iter().filter(|e| e.wants_sample) {
+            let need = (e.seq.request.0.checked_sub(self.base))
+                .and_then(|i| self.per_request.get(usize::try_from(i).ok()?).copied())
+                .flatten();
+            match need {
+                Some(n) if (1..=SELECT_MAX_K).contains(&n) => k = k.max(n),
+                _ => return LogitsWant::Full,
+            }
+        }
+        if k == 0 {
+            LogitsWant::Full
+        } else {
+            LogitsWant::TopK(k)
+        }
+    }
 }
 
 /// Runs plans until the plan channel closes (or the sampler stage is gone).
@@ -59,9 +92,9 @@ pub fn run_executor(model: &dyn CausalLm, kv: &mut KvCache, io: ExecutorIo) {
         let t_fwd = Instant::now();
         let gap_s = prev_end.map(|p| (t_fwd - p).as_secs_f64());
         let logits = if batch.tokens.is_empty() {
-            Ok(Vec::new())
+            Ok(Logits::Full(Vec::new()))
         } else {
-            model.forward(&batch, kv).map_err(|e| e.to_string())
+            (model.forward_select(&batch, kv, io.logits.want(&out))).map_err(|e| e.to_string())
         };
         let end = Instant::now();
         let ran = !batch.tokens.is_empty();

@@ -302,6 +302,7 @@ impl Llm {
             model: &self.model,
             sampler: self.sampler.as_ref(),
             async_scheduling: self.opts.async_scheduling,
+            select_candidates: self.opts.select_candidates,
             progress: self.opts.progress,
         };
         let summary = engine::run(&mut core, ctx, requests, &prepared, on_event);

@@ -9,6 +9,7 @@ use std::time::Instant;
 use super::request::RequestOutput;
 use crate::ids::TokenId;
 use crate::kv_cache::SeqId;
+use crate::model::Logits;
 use crate::scheduler::{FinishReason as SchedFinish, SchedulerOutput};
 
 /// Where one step's time went, measured on the executor and the sampler stage.
@@ -41,8 +42,9 @@ pub struct StepTiming {
 /// Executor -> sampler stage: one step's logits (or why the forward pass failed).
 pub struct SampleJob {
     pub out: Arc<SchedulerOutput>,
-    /// `[rows, vocab]`, one row per entry with `wants_sample`, in entry order.
-    pub logits: Result<Vec<f32>, String>,
+    /// One row per entry with `wants_sample`, in entry order: full rows, or each row's top
+    /// candidates selected where the model ran (see `executor::LogitsPolicy`).
+    pub logits: Result<Logits, String>,
     pub timing: StepTiming,
 }
 

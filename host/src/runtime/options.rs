@@ -28,6 +28,9 @@ pub struct EngineOptions {
     /// Plan step N+1 while step N runs (decodes get placeholder tokens). Off: every step
     /// waits for the previous one's results before it is planned.
     pub async_scheduling: bool,
+    /// Let a step whose samplers need only top candidates bring back only those (selected on
+    /// the device); off: every step brings back full logits rows. Results are the same.
+    pub select_candidates: bool,
     /// Seed for requests that give none.
     pub seed: u64,
     /// Show a progress bar on stderr (only when stderr is a terminal).
@@ -43,6 +46,7 @@ impl Default for EngineOptions {
             kv_budget: DEFAULT_KV_BUDGET,
             enable_prefix_caching: true,
             async_scheduling: true,
+            select_candidates: true,
             seed: 0,
             progress: false,
         }

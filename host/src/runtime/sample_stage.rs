@@ -14,7 +14,8 @@ use super::constraint_stage::{allows, apply_mask, ConstraintMsg, MaskAnswer, Nex
 use super::messages::{EngineEvent, SampleJob, SampledTokens, StepDone, StepTiming};
 use crate::ids::{RequestId, TokenId};
 use crate::kv_cache::SeqId;
-use crate::sampling::{BatchSampler, SampleRow, SamplingParams};
+use crate::model::Logits;
+use crate::sampling::{BatchSampler, SampleRow, SamplingParams, TopCandidates};
 
 /// Rows from which sampling is split across two threads.
 const PARALLEL_ROWS: usize = 16;
@@ -201,7 +202,7 @@ impl Step<'_, '_> {
     fn run(
         &self,
         job: &SampleJob,
-        logits: &[f32],
+        logits: &Logits,
         histories: &mut HashMap<SeqId, History>,
         timing: &mut StepTiming,
     ) -> Vec<Result<Vec<TokenId>, String>> {
@@ -212,9 +213,15 @@ impl Step<'_, '_> {
         let mut masked: HashMap<usize, Vec<f32>> = HashMap::new();
         let mut r = 0;
         for (i, e) in out.seqs.iter().enumerate().filter(|(_, e)| e.wants_sample) {
-            let row = logits.get(r * vocab..(r + 1) * vocab);
+            let row = full_row(logits, vocab, r);
             r += 1;
             match (masks.get(&i), row) {
+                (Some(NextMask::Allowed(_)), None) => {
+                    results[i] = Err(format!(
+                        "sequence {}: its constraint needs full logits, the step has none",
+                        e.seq
+                    ));
+                }
                 (Some(NextMask::Allowed(m)), Some(row)) => {
                     let mut l = row.to_vec();
                     apply_mask(&mut l, m);
@@ -230,9 +237,17 @@ impl Step<'_, '_> {
         let mut row_entries = Vec::new();
         for (i, e) in out.seqs.iter().enumerate().filter(|(_, e)| e.wants_sample) {
             let r = rows.len();
-            let Some(row_logits) = logits.get(r * vocab..(r + 1) * vocab) else {
-                results[i] = Err("the forward pass returned too few logits".into());
-                continue;
+            let (row_logits, candidates) = match (full_row(logits, vocab, r), logits) {
+                (Some(l), _) => (l, None),
+                (None, Logits::TopK(c)) if r < c.len() => {
+                    let top = TopCandidates { top: &c[r], vocab };
+                    (&[][..], Some(top))
+                }
+                _ => {
+                    results[i] = Err("the forward pass returned too few logits".into());
+                    rows.push(None);
+                    continue;
+                }
             };
             let (Some((params, seed)), Some(h)) = (self.settings.get(e.seq), histories.get(&e.seq))
             else {
@@ -246,6 +261,7 @@ impl Step<'_, '_> {
             }
             rows.push(Some(SampleRow {
                 logits: masked.get(&i).map_or(row_logits, Vec::as_slice),
+                candidates,
                 params,
                 seed,
                 step: h.tokens.len().saturating_sub(h.num_prompt) as u64,
@@ -286,6 +302,14 @@ impl Step<'_, '_> {
             let _ = link.to_worker.send(ConstraintMsg::Advance(advance));
         }
         results
+    }
+}
+
+/// Row `r` of full-vocabulary logits, if the step brought full rows back.
+fn full_row(logits: &Logits, vocab: usize, r: usize) -> Option<&[f32]> {
+    match logits {
+        Logits::Full(v) => v.get(r * vocab..(r + 1) * vocab),
+        Logits::TopK(_) | Logits::Argmax(_) => None,
     }
 }
 

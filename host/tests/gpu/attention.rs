@@ -191,3 +191,115 @@ fn rope_matches_the_cpu_backend_for_both_styles() {
         }
     }
 }
+
+/// RoPE of queries and keys followed by attention: the two RoPE launches and the K/V write
+/// fold into one launch (`rope_kv_*`); outputs bit-identical to the unfolded launches, two
+/// launches fewer per step, and within rounding of the CPU backend (prefill, then decode;
+/// the attention output to the bf16 cache's rounding).
+#[test]
+fn rope_and_kv_write_fold_into_one_launch() {
+    use deepinfer::backend::cuda::{CudaBackend, CudaOptions};
+    let mut rng = Rng::fresh("rope_kv");
+    let cpu = CpuBackend::new(2);
+    let p = AttnParams {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+        scale: 0.125,
+        window: None,
+    };
+    let spec = RopeSpec {
+        theta: 10000.0,
+        dims: 64,
+        style: RopeStyle::Half,
+        scale: 1.0,
+    };
+    let tables = [vec![5u32, 1, 2], vec![3u32, 0]];
+    let plan: Plan = vec![
+        vec![(0, 21), (0, 9)],
+        vec![(21, 1), (9, 1)],
+        vec![(22, 1), (10, 1)],
+    ];
+    let (qw, kw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+    let data: Vec<Vec<f32>> = plan
+        .iter()
+        .map(|s| {
+            let n: usize = s.iter().map(|x| x.1).sum();
+            rng.vec(n * (qw + 2 * kw), 1.0)
+        })
+        .collect();
+    fn go<B: Backend>(
+        be: &B,
+        p: &AttnParams,
+        spec: RopeSpec,
+        tables: &[Vec<u32>],
+        plan: &Plan,
+        data: &[Vec<f32>],
+    ) -> Vec<Vec<f32>> {
+        let mut kv = be
+            .new_kv(KvShape {
+                layers: 1,
+                num_blocks: 6,
+                block_size: 16,
+                kv_heads: p.n_kv_heads,
+                head_dim: p.head_dim,
+            })
+            .unwrap();
+        let (qw, kw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+        let mut outs = Vec::new();
+        for (si, step) in plan.iter().enumerate() {
+            let mut b = Batch::default();
+            for (s, &(pos, len)) in step.iter().enumerate() {
+                b.push(&vec![0; len], pos, tables[s].clone(), true);
+            }
+            let n = b.n_tokens();
+            let mut st = be.prepare_step(&b, 16).unwrap();
+            let d = &data[si];
+            let mut q = upload(be, n, qw, &d[..n * qw]);
+            let mut k = upload(be, n, kw, &d[n * qw..n * (qw + kw)]);
+            let v = upload(be, n, kw, &d[n * (qw + kw)..]);
+            let mut out = be.zeros(n * qw).unwrap();
+            be.rope(&mut st, spec, &mut q, p.n_heads, p.head_dim)
+                .unwrap();
+            be.rope(&mut st, spec, &mut k, p.n_kv_heads, p.head_dim)
+                .unwrap();
+            be.attention(&st, &mut kv, 0, p, &q, &k, &v, &mut out)
+                .unwrap();
+            outs.extend([out, q, k].iter().map(|b| be.to_host(b).unwrap()));
+        }
+        outs
+    }
+    for act in [Act::F32, Act::Bf16] {
+        let Some(be) = backend(act) else { return };
+        let plain = CudaBackend::new(
+            0,
+            CudaOptions {
+                act: Some(act),
+                fuse_rope_kv: false,
+                ..CudaOptions::from_env().unwrap()
+            },
+        )
+        .unwrap();
+        let got = go(&be, &p, spec, &tables, &plan, &data);
+        let unfolded = go(&plain, &p, spec, &tables, &plan, &data);
+        let want = go(&cpu, &p, spec, &tables, &plan, &data);
+        let (a, b) = (be.stats().ops, plain.stats().ops);
+        eprintln!("{act:?} rope+kv: {a} ops folded, {b} unfolded");
+        assert_eq!(a + 2 * plan.len() as u64, b, "{act:?}: not folded");
+        for (i, ((g, u), w)) in got.iter().zip(&unfolded).zip(&want).enumerate() {
+            let what = format!(
+                "{act:?} rope+kv step {} {}",
+                i / 3,
+                ["out", "q", "k"][i % 3]
+            );
+            assert!(
+                g.iter().zip(u).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: folded and unfolded launches differ"
+            );
+            // The attention output reads a bf16 cache (the CPU's is f32), as in the paged
+            // attention test above; the rotated q and k are plain f32 arithmetic.
+            let t = if i % 3 == 0 { 1e-2 } else { 1e-4 };
+            assert_close(&what, g, w, tol(act, t));
+        }
+    }
+}

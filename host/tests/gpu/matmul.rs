@@ -157,3 +157,94 @@ fn products_sharing_an_input_fuse_and_stay_correct() {
         }
     }
 }
+
+/// The block GEMVs with an RMSNorm folded in before them and a residual add after them
+/// (`gemvbn_*`, `gemvba_*`: bf16 weights and activations, up to 8 tokens, rows of at least
+/// 2048) against the same trait calls on the CPU backend, and against the CUDA backend with
+/// folding off (which must flush two launches more): the norm output, three segments of odd
+/// row counts sharing the normalized input, and a residual sum, for every token bound and row
+/// shape.
+#[test]
+fn rms_norm_and_residual_add_fold_into_block_gemvs() {
+    let Some(be) = backend(Act::Bf16) else {
+        return;
+    };
+    let plain = deepinfer::backend::cuda::CudaBackend::new(
+        0,
+        deepinfer::backend::cuda::CudaOptions {
+            act: Some(Act::Bf16),
+            fuse_norm: false,
+            fuse_add: false,
+            ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
+        },
+    )
+    .unwrap();
+    let cpu = deepinfer::backend::cpu::CpuBackend::new(2);
+    let mut rng = Rng::fresh("fold");
+    for &(k, n) in &[
+        (2056usize, 1usize),
+        (4096, 3),
+        (4104, 1),
+        (8200, 1),
+        (2048, 5),
+        (6144, 8),
+    ] {
+        let rows = [37usize, 11, 13];
+        let ws: Vec<Weight> = rows
+            .iter()
+            .map(|&r| random_weight(&mut rng, DType::BF16, r, k))
+            .collect();
+        let wo = random_weight(&mut rng, DType::BF16, 29, k);
+        let gain = Weight::from_f32(1, k, &rng.vec(k, 1.0));
+        let x = rng.vec(n * k, 2.0);
+        let res0 = rng.vec(n * 29, 1.0);
+        // The same calls on every backend, buffers made first as a model makes them:
+        // h = norm(x); y_i = W_i h; o = Wo h; res += o.
+        macro_rules! run {
+            ($b:expr) => {{
+                let b = $b;
+                let gw: Vec<_> = ws.iter().map(|w| b.prepare_weight(w).unwrap()).collect();
+                let gwo = b.prepare_weight(&wo).unwrap();
+                let g = b.prepare_weight(&gain).unwrap();
+                let xb = upload(b, n, k, &x);
+                let mut res = upload(b, n, 29, &res0);
+                let mut h = b.zeros(n * k).unwrap();
+                let mut ys: Vec<_> = rows.iter().map(|&r| b.zeros(n * r).unwrap()).collect();
+                let mut o = b.zeros(n * 29).unwrap();
+                b.rms_norm(&xb, &g, 1e-5, &mut h).unwrap();
+                for (w, y) in gw.iter().zip(ys.iter_mut()) {
+                    b.matmul(w, &h, n, y).unwrap();
+                }
+                b.matmul(&gwo, &h, n, &mut o).unwrap();
+                b.add_assign(&mut res, &o).unwrap();
+                let mut out = vec![b.to_host(&h).unwrap(), b.to_host(&res).unwrap()];
+                out.extend(ys.iter().map(|y| b.to_host(y).unwrap()));
+                out
+            }};
+        }
+        let ops0 = (be.stats().ops, plain.stats().ops);
+        let got = run!(&be);
+        let unfolded = run!(&plain);
+        let ops = (be.stats().ops - ops0.0, plain.stats().ops - ops0.1);
+        let want = run!(&cpu);
+        let what = format!("folded gemv k={k} n={n}");
+        eprintln!("{what}: {} ops flushed folded, {} unfolded", ops.0, ops.1);
+        assert_eq!(
+            ops.0 + 2,
+            ops.1,
+            "{what}: the norm and the add were not folded"
+        );
+        for (name, i, t) in [("norm output", 0, 1e-2), ("residual", 1, 1.5e-2)] {
+            assert_close(&format!("{what}: {name}"), &got[i], &want[i], t);
+            assert_close(
+                &format!("{what}: {name} (unfolded)"),
+                &unfolded[i],
+                &want[i],
+                t,
+            );
+        }
+        for (i, (g, w)) in got[2..].iter().zip(&want[2..]).enumerate() {
+            assert_close(&format!("{what}: segment {i}"), g, w, 1.5e-2);
+        }
+    }
+}

@@ -69,6 +69,7 @@ pub fn sample_one(
 ) -> Result<u32, String> {
     let row = SampleRow {
         logits,
+        candidates: None,
         params: p,
         seed,
         step,

@@ -79,21 +79,26 @@ pub(crate) fn attention(
         ))
     })?;
     let (qw, kvw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
-    check("attention q", q.len(), n * qw)?;
-    check("attention k", k.len(), n * kvw)?;
-    check("attention v", v.len(), n * kvw)?;
-    check("attention output", out.len(), n * qw)?;
+    check("attention q", q.len, n * qw)?;
+    check("attention k", k.len, n * kvw)?;
+    check("attention v", v.len, n * kvw)?;
+    check("attention output", out.len, n * qw)?;
     let (kc, vc) = kv
         .layer(layer)
         .ok_or_else(|| Error::BadRequest(format!("layer {layer} is outside the KV cache")))?;
     let kern = inner.module.act(inner.act());
-    inner.push(Op::Launch {
-        kernel: kern.write_kv,
-        grid: [n as u32, 1, 1],
-        block: kvw.next_power_of_two().clamp(32, 256) as u32,
-        smem: 0,
-        args: vec![kc, vc, k.ptr(), v.ptr(), step.slots(), kvw as u64],
-    });
+    let folded = inner.opts.fuse
+        && inner.opts.fuse_rope_kv
+        && fold_rope_kv(inner, kern, [q.ptr(), k.ptr(), v.ptr(), kc, vc], step, p);
+    if !folded {
+        inner.push(Op::Launch {
+            kernel: kern.write_kv,
+            grid: [n as u32, 1, 1],
+            block: kvw.next_power_of_two().clamp(32, 256) as u32,
+            smem: 0,
+            args: vec![kc, vc, k.ptr(), v.ptr(), step.slots(), kvw as u64],
+        });
+    }
     let scale_log2 = (p.scale * std::f32::consts::LOG2_E).to_bits() as u64;
     let window = p.window.unwrap_or(0) as u64;
     if let (true, Some(pi)) = (step.max_len > DECODE_MAX_LEN, prefill_index(p.head_dim)) {
@@ -137,7 +142,9 @@ pub(crate) fn attention(
     let maxg = group.next_power_of_two().min(DEC_MAXG);
     let gi = DECODE_GROUPS.iter().position(|&g| g == maxg).unwrap_or(3);
     let hgroups = group.div_ceil(maxg);
-    let blocks = n * p.n_kv_heads * hgroups;
+    // Splits follow the batch's bucket, not its size, so a padded step and the same batch
+    // unpadded reduce each row's keys in the same order (bit-identical rows).
+    let blocks = super::step::bucket(n).unwrap_or(n) * p.n_kv_heads * hgroups;
     let ctx = match p.window {
         Some(w) => step.max_ctx.min(w),
         None => step.max_ctx,
@@ -199,6 +206,75 @@ pub(crate) fn attention(
         });
     }
     Ok(())
+}
+
+/// Replaces the RoPE launches of `q` and then `k` just queued (same table and head size, the
+/// whole head rotated) by one launch that also writes K/V into the cache; true when it did. `bufs`: q, k, v, and the
+/// layer's K and V caches.
+fn fold_rope_kv(
+    inner: &Inner,
+    kern: &super::module::ActKernels,
+    bufs: [u64; 5],
+    step: &CudaStep,
+    p: &AttnParams,
+) -> bool {
+    let [q, k, v, kc, vc] = bufs;
+    let (n, hd) = (step.n_tokens as u64, p.head_dim as u64);
+    let mut queue = inner.queue();
+    // rope's arguments: x, cos, sin, tokens, heads, head_dim, half, style.
+    let rope_of = |op: Option<&Op>, x: u64, heads: usize| match op {
+        Some(Op::Launch { kernel, args, .. })
+            if *kernel == kern.rope
+                && args.len() == 8
+                && args[0] == x
+                && args[3] == n
+                && args[4] == heads as u64
+                && args[5] == hd
+                && args[6] * 2 == hd =>
+        {
+            Some([args[1], args[2], args[6], args[7]])
+        }
+        _ => None,
+    };
+    let Some(last) = queue.pop() else {
+        return false;
+    };
+    let Some(table) = rope_of(Some(&last), k, p.n_kv_heads) else {
+        queue.push(last);
+        return false;
+    };
+    let before = queue.last_mut().map(|o| &*o);
+    if rope_of(before, q, p.n_heads) != Some(table) {
+        queue.push(last);
+        return false;
+    }
+    queue.pop();
+    let [cs, sn, half, style] = table;
+    let total = step.n_tokens * (p.n_heads + p.n_kv_heads) * half as usize
+        + step.n_tokens * p.n_kv_heads * p.head_dim;
+    queue.push(Op::Launch {
+        kernel: kern.rope_kv,
+        grid: [super::queue::elementwise_grid(total), 1, 1],
+        block: 256,
+        smem: 0,
+        args: vec![
+            q,
+            k,
+            v,
+            kc,
+            vc,
+            step.slots(),
+            cs,
+            sn,
+            n,
+            p.n_heads as u64,
+            p.n_kv_heads as u64,
+            hd,
+            half,
+            style,
+        ],
+    });
+    true
 }
 
 #[cfg(test)]

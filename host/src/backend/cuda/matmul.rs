@@ -28,8 +28,19 @@ pub(crate) fn matmul(
     if n == 0 || w.rows == 0 {
         return Ok(());
     }
-    check("matmul input", x.len(), n * w.cols)?;
-    check("matmul output", y.len(), n * w.rows)?;
+    check("matmul input", x.len, n * w.cols)?;
+    check("matmul output", y.len, n * w.rows)?;
+    // A padded step's buffers run their padding rows too (same kernel as the real rows alone
+    // up to 8 tokens, so the real rows come out bit-identical there).
+    let n = if x.len > x.host_len
+        && x.host_len == n * w.cols
+        && x.len.is_multiple_of(w.cols)
+        && y.len >= x.len / w.cols * w.rows
+    {
+        x.len / w.cols
+    } else {
+        n
+    };
     let act = inner.act();
     if n <= GEMV_MAX_N {
         gemv(inner, act, w, x, n, y);
@@ -82,59 +93,129 @@ pub(crate) fn matmul(
     Ok(())
 }
 
-/// The GEMV kernel for `rows` output rows of `n` tokens and its rows per block. Long bf16/f16
-/// rows (k >= 2048) go to the block-cooperative kernels, which kept 4.0 TB/s over a whole
-/// Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
-/// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
-/// beyond; several tokens always take 4 rows x 2 loads.
-fn pick(inner: &Inner, act: Act, wt: WType, n: usize, k: usize, _rows: usize) -> (KernelId, usize) {
-    let kernels = inner.module.act(act);
-    let wi = match wt {
-        WType::Bf16 => Some(0),
-        WType::F16 => Some(1),
-        _ => None,
-    };
-    if let (Some(wi), true) = (wi, inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
-        let ni = GEMVB_TOKENS.iter().position(|&t| t >= n);
-        let si = match (n, k) {
-            (1, k) if k > 8192 => 2,
-            (1, k) if k > 4096 => 1,
-            _ => 0,
-        };
-        if let Some(ni) = ni {
-            return (kernels.gemvb[wi][ni][si], GEMVB_SHAPES[si].0);
+/// What a block-cooperative GEMV folds in (see `kernels/gemv.cu`, `GEMVB_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fold {
+    Plain,
+    Norm,
+    Acc,
+}
+
+impl Fold {
+    fn of(g: &Gemv) -> Fold {
+        match (g.norm.is_some(), g.res != 0) {
+            (true, _) => Fold::Norm,
+            (false, true) => Fold::Acc,
+            _ => Fold::Plain,
         }
     }
-    (kernels.gemv[wt as usize], (GEMV_THREADS / 32) as usize)
+}
+
+/// The block-cooperative GEMV of `fold` for `n` tokens over rows of `k` weights, when there
+/// is one. Long bf16/f16 rows (k >= 2048) go to these kernels, which kept 4.0 TB/s over a
+/// whole Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
+/// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
+/// beyond; several tokens always take 4 rows x 2 loads. Folded variants: bf16 weights only.
+fn block_kernel(
+    inner: &Inner,
+    act: Act,
+    wt: WType,
+    n: usize,
+    k: usize,
+    fold: Fold,
+) -> Option<(KernelId, usize)> {
+    let kernels = inner.module.act(act);
+    let wi = match wt {
+        WType::Bf16 => 0,
+        WType::F16 if fold == Fold::Plain => 1,
+        _ => return None,
+    };
+    if !(inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
+        return None;
+    }
+    let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;
+    let si = match (n, k) {
+        (1, k) if k > 8192 => 2,
+        (1, k) if k > 4096 => 1,
+        _ => 0,
+    };
+    let id = match fold {
+        Fold::Plain => kernels.gemvb[wi][ni][si],
+        Fold::Norm => kernels.gemvb_norm.as_ref()?[ni][si],
+        Fold::Acc => kernels.gemvb_acc.as_ref()?[ni][si],
+    };
+    Some((id, GEMVB_SHAPES[si].0))
+}
+
+/// The GEMV kernel for `n` tokens and its rows per block: a block-cooperative one where there
+/// is one, else one warp per weight row (which folds nothing in).
+fn pick(inner: &Inner, act: Act, wt: WType, n: usize, k: usize, fold: Fold) -> (KernelId, usize) {
+    block_kernel(inner, act, wt, n, k, fold).unwrap_or((
+        inner.module.act(act).gemv[wt as usize],
+        (GEMV_THREADS / 32) as usize,
+    ))
 }
 
 /// Queues a GEMV, or appends it as a segment to the GEMV just queued when that one reads the
 /// same input with the same weight type and shape (the kernel is then chosen again for the
-/// rows of all segments).
+/// rows of all segments). An RMSNorm queued just before whose output is this input is folded
+/// into the launch where a block-cooperative kernel takes it.
 fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) {
     let seg = (w.ptr(), y.ptr(), w.rows);
     let mut q = inner.queue();
     if inner.opts.fuse {
         if let Some(Op::Gemv(g)) = q.last_mut() {
-            let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr()) || y.ptr() == g.x;
+            let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr())
+                || y.ptr() == g.x
+                || g.norm.is_some_and(|nm| nm.0 == y.ptr());
             if g.wtype == w.wtype
                 && g.x == x.ptr()
                 && g.n == n
                 && g.k == w.cols
                 && g.row_bytes == w.row_bytes
                 && g.segs.len() < GEMV_SEGMENTS
+                && g.res == 0
                 && !outputs_clash
             {
                 g.segs.push(seg);
-                let rows = g.segs.iter().map(|s| s.2).sum();
-                (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, rows);
+                (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, Fold::of(g));
                 return;
             }
         }
     }
-    drop(q);
-    let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, w.rows);
-    inner.push(Op::Gemv(Gemv {
+    let mut norm = None;
+    if inner.opts.fuse
+        && inner.opts.fuse_norm
+        && block_kernel(inner, act, w.wtype, n, w.cols, Fold::Norm).is_some()
+    {
+        let rms = inner.module.act(act).rms_norm;
+        if let Some(Op::Launch {
+            kernel, grid, args, ..
+        }) = q.last_mut()
+        {
+            // rms_norm's arguments: out, x, y (residual, 0 for none), gain, d, eps.
+            if *kernel == rms
+                && args.len() == 6
+                && args[0] == x.ptr()
+                && args[1] != x.ptr()
+                && args[2] == 0
+                && args[4] == w.cols as u64
+                && grid[0] as usize == n
+            {
+                norm = Some((args[1], args[3], args[5] as u32));
+            }
+        }
+        if norm.is_some() {
+            q.pop();
+        }
+    }
+    let fold = if norm.is_some() {
+        Fold::Norm
+    } else {
+        Fold::Plain
+    };
+    let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, fold);
+    q.push(Op::Gemv(Gemv {
         kernel,
         x: x.ptr(),
         n,
@@ -143,5 +224,39 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
         segs: vec![seg],
         wtype: w.wtype,
         rows_per_block,
+        norm,
+        res: 0,
     }));
+}
+
+/// Folds `res += y` (`n` values) into the GEMV just queued when that GEMV alone writes `y`
+/// and a block-cooperative kernel takes the add; true when it did.
+pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
+    if !(inner.opts.fuse && inner.opts.fuse_add) {
+        return false;
+    }
+    let act = inner.act();
+    let mut q = inner.queue();
+    let Some(Op::Gemv(g)) = q.last_mut() else {
+        return false;
+    };
+    if g.segs.len() != 1
+        || g.segs[0].1 != y
+        || g.segs[0].2 * g.n != n
+        || g.res != 0
+        || g.norm.is_some()
+        || res == g.x
+        || res == y
+    {
+        return false;
+    }
+    match block_kernel(inner, act, g.wtype, g.n, g.k, Fold::Acc) {
+        Some((kernel, rows_per_block)) => {
+            g.kernel = kernel;
+            g.rows_per_block = rows_per_block;
+            g.res = res;
+            true
+        }
+        None => false,
+    }
 }

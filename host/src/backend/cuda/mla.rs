@@ -3,7 +3,7 @@
 //! latents, merge + V up-projection). It checks shapes and queues launches; it must not know
 //! about checkpoints.
 //!
-//! The cache holds, per layer, `[num_blocks * block_size, latent + rope]` values of the
+//! The cache holds, per layer, `[(1 + num_blocks) * block_size, latent + rope]` values of the
 //! activation type: f32 for f32 models (so the tiny fp32 checkpoints agree with the CPU to
 //! f32 rounding), bf16 for bf16 models (half the bytes the decode kernel streams; the latent
 //! is the product of a bf16 projection anyway).
@@ -30,7 +30,8 @@ const V_ROWS: usize = 32;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
-/// The paged latent cache on the device.
+/// The paged latent cache on the device. Like [`super::CudaKv`] it keeps one scratch block in
+/// front of block 0 (block -1), where the padding rows of a padded decode step write and read.
 pub struct CudaMlaKv {
     layers: Vec<DevMem>,
     pub num_blocks: usize,
@@ -38,6 +39,14 @@ pub struct CudaMlaKv {
     pub width: usize,
     pub act: Act,
     inner: Arc<Inner>,
+}
+
+impl CudaMlaKv {
+    /// The address of block 0 of `layer` (the scratch block lies just before it).
+    fn layer(&self, layer: usize) -> Option<u64> {
+        let block = (self.block_size * self.width * self.act.size()) as u64;
+        self.layers.get(layer).map(|m| m.ptr + block)
+    }
 }
 
 impl Drop for CudaMlaKv {
@@ -59,7 +68,7 @@ pub(crate) fn new_kv(
         return Err(Error::BadConfig("KV block_size must be at least 1".into()));
     }
     let act = inner.act();
-    let bytes = num_blocks
+    let bytes = (num_blocks + 1)
         .checked_mul(block_size)
         .and_then(|x| x.checked_mul(width))
         .and_then(|x| x.checked_mul(act.size()))
@@ -162,7 +171,7 @@ pub(crate) fn attention(
             step.block_size, step.max_block, kv.num_blocks, kv.block_size
         )));
     }
-    let cache = kv.layers.get(layer).map(|m| m.ptr).ok_or_else(|| {
+    let cache = kv.layer(layer).ok_or_else(|| {
         Error::BadRequest(format!(
             "MLA cache has {} layers, layer {layer} asked",
             kv.layers.len()
@@ -182,9 +191,10 @@ pub(crate) fn attention(
         )));
     }
     let wi = weight_index(w.kv_b, "kv_b_proj")?;
-    check("MLA q", q.len(), n * d.q_width())?;
-    check("MLA kv_a output", kva.len(), n * width)?;
-    check("MLA output", out.len(), n * heads * d.v)?;
+    // device lengths: a padded decode step runs its padding rows too
+    check("MLA q", q.len, n * d.q_width())?;
+    check("MLA kv_a output", kva.len, n * width)?;
+    check("MLA output", out.len, n * heads * d.v)?;
     let k = &inner.module.deepseek[match inner.act() {
         Act::F32 => 0,
         Act::Bf16 => 1,

@@ -39,7 +39,7 @@ use queue::{Op, Queue};
 
 pub use mla::CudaMlaKv;
 pub use queue::QueueStats;
-pub use step::CudaStep;
+pub use step::{bucket, CudaStep};
 pub use weights::{CudaKv, CudaWeight};
 
 /// Element type of activations on the device.
@@ -77,6 +77,16 @@ pub struct CudaOptions {
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
     pub fuse2: bool,
+    /// Pad decode steps to a bucket of batch sizes ([`step::bucket`]) so that one CUDA graph
+    /// serves all the batch sizes of a bucket (only with `graphs`).
+    pub buckets: bool,
+    /// Fold an RMSNorm into the block-cooperative GEMV that reads its output (bf16 weights
+    /// and activations, up to 8 tokens).
+    pub fuse_norm: bool,
+    /// Fold a residual add into the block-cooperative GEMV that writes its addend (likewise).
+    pub fuse_add: bool,
+    /// Fold the RoPE of queries and keys into the K/V cache write of attention (one launch).
+    pub fuse_rope_kv: bool,
 }
 
 impl Default for CudaOptions {
@@ -89,14 +99,19 @@ impl Default for CudaOptions {
             pdl: true,
             gemvb: true,
             fuse2: false,
+            buckets: true,
+            fuse_norm: true,
+            fuse_add: true,
+            fuse_rope_kv: true,
         }
     }
 }
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL` and `DEEPINFER_CUDA_GEMVB` (`0` turns them
-    /// off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
+    /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -115,6 +130,10 @@ impl CudaOptions {
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
+        o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
+        o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
+        o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
+        o.fuse_rope_kv = !off("DEEPINFER_CUDA_FUSE_ROPE_KV");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,
@@ -221,8 +240,23 @@ impl Inner {
         Ok(CudaBuf {
             mem: Some(mem),
             len,
+            host_len: len,
             inner: self.clone(),
         })
+    }
+
+    /// Device length of a new per-token buffer of `n` values: while a padded step lives, a
+    /// buffer of whole rows of the real tokens gets the padding rows too.
+    fn padded_len(&self, n: usize) -> usize {
+        let pad = self
+            .step_cache
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().and_then(|c| c.pad));
+        match pad {
+            Some(p) if n > 0 && n.is_multiple_of(p.real) => n / p.real * p.padded,
+            _ => n,
+        }
     }
 
     /// The device address of at least `n` zeroed attention counters, if there are that many.
@@ -261,20 +295,31 @@ impl Drop for Inner {
 }
 
 /// A device buffer of activations (or scratch), returned to the pool when dropped.
+///
+/// `len` is what the kernels run over; `host_len` (at most `len`) is what the model asked
+/// for and what reaches the host. They differ for the per-token buffers of a padded decode
+/// step (`step::bucket`), whose extra rows belong to padding sequences: operations take their
+/// row counts from `len`, reads to the host stop at `host_len`.
 pub struct CudaBuf {
     mem: Option<DevMem>,
     len: usize,
+    host_len: usize,
     inner: Arc<Inner>,
 }
 
 impl CudaBuf {
-    /// Elements held.
+    /// Elements held (padding rows not counted).
     pub fn len(&self) -> usize {
-        self.len
+        self.host_len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.host_len == 0
+    }
+
+    /// Elements the device holds and kernels run over (padding rows included).
+    pub fn device_len(&self) -> usize {
+        self.len
     }
 
     pub(crate) fn ptr(&self) -> u64 {
@@ -381,11 +426,13 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, n: usize) -> Result<CudaBuf> {
         let act = self.inner.act();
-        let b = self.inner.scratch(n, act.size())?;
-        if n > 0 {
+        let dev = self.inner.padded_len(n);
+        let mut b = self.inner.scratch(dev, act.size())?;
+        b.host_len = n;
+        if dev > 0 {
             self.inner.push(Op::Memset {
                 ptr: b.ptr(),
-                bytes: n * act.size(),
+                bytes: dev * act.size(),
             });
         }
         Ok(b)

@@ -142,6 +142,8 @@ pub struct ActKernels {
     pub rope2: KernelId,
     pub gather_rows: KernelId,
     pub write_kv: KernelId,
+    /// RoPE of queries and keys plus the K/V cache write in one launch.
+    pub rope_kv: KernelId,
     /// By head dim 16, 32, 64, 128, 256 and query heads per block ([`DECODE_GROUPS`]).
     pub attn_decode: [[KernelId; 4]; 5],
     pub attn_combine: KernelId,
@@ -155,6 +157,11 @@ pub struct ActKernels {
     /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
     /// token bound (1, 2, 4, 8) and shape ([`GEMVB_SHAPES`]).
     pub gemvb: [[[KernelId; 3]; 4]; 2],
+    /// Block GEMVs with an RMSNorm folded in (`gemvbn_*`), by tokens and shape: bf16 weights
+    /// and activations only.
+    pub gemvb_norm: Option<[[KernelId; 3]; 4]>,
+    /// Block GEMVs with a residual add folded in (`gemvba_*`), likewise.
+    pub gemvb_acc: Option<[[KernelId; 3]; 4]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -223,6 +230,21 @@ impl Module {
         };
         let mut act = |s: &str| -> Result<ActKernels> {
             let mut n = |base: &str| get(format!("{base}_{s}"));
+            // The folded GEMVs exist for bf16 activations only.
+            let folded = |n: &mut dyn FnMut(&str) -> Result<KernelId>,
+                          base: &str|
+             -> Result<Option<[[KernelId; 3]; 4]>> {
+                if s != "bf16" {
+                    return Ok(None);
+                }
+                let mut g = [[KernelId(0); 3]; 4];
+                for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
+                    for (si, (r, u)) in GEMVB_SHAPES.iter().enumerate() {
+                        g[ni][si] = n(&format!("{base}_bf16w_n{tn}_r{r}u{u}"))?;
+                    }
+                }
+                Ok(Some(g))
+            };
             Ok(ActKernels {
                 embed: n("embed")?,
                 rms_norm: n("rms_norm")?,
@@ -232,6 +254,7 @@ impl Module {
                 rope2: n("rope2")?,
                 gather_rows: n("gather_rows")?,
                 write_kv: n("write_kv")?,
+                rope_kv: n("rope_kv")?,
                 attn_decode: {
                     let mut a = [[KernelId(0); 4]; 5];
                     for (di, d) in [16, 32, 64, 128, 256].iter().enumerate() {
@@ -263,6 +286,8 @@ impl Module {
                     }
                     g
                 },
+                gemvb_norm: folded(&mut n, "gemvbn")?,
+                gemvb_acc: folded(&mut n, "gemvba")?,
                 argmax: n("argmax")?,
                 topk: n("topk")?,
             })
@@ -354,6 +379,9 @@ mod tests {
         let ptx = compile("compute_90").expect("kernels compile");
         for name in [
             "gemv_bf16w_bf16",
+            "gemvb_bf16w_n4_r4u2_bf16",
+            "gemvbn_bf16w_n8_r1u8_bf16",
+            "gemvba_bf16w_n1_r2u4_bf16",
             "attn_prefill_d128_f32",
             "attn_decode_d64_g4_bf16",
             "topk_f32",

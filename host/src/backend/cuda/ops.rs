@@ -79,18 +79,20 @@ pub(crate) fn embed(
     check("embed output", out.len, tokens.len() * table.cols)?;
     let k = inner.module.act(inner.act()).embed;
     let data: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let ids = match step_tokens(inner, &data) {
-        Some(ptr) => (ptr, None),
+    // The step's device copy (padding tokens included when `out` has room for them).
+    let (ids, rows) = match step_tokens(inner, &data) {
+        Some((ptr, all)) if out.len >= all * table.cols => ((ptr, None), all),
+        Some((ptr, _)) => ((ptr, None), tokens.len()),
         None => {
             let b = upload_bytes(inner, data)?;
-            (b.ptr(), Some(b))
+            ((b.ptr(), Some(b)), tokens.len())
         }
     };
     let block = table.cols.next_power_of_two().clamp(32, 256) as u32;
     launch(
         inner,
         k,
-        [tokens.len() as u32, 1, 1],
+        [rows as u32, 1, 1],
         block,
         vec![
             out.ptr(),
@@ -105,12 +107,11 @@ pub(crate) fn embed(
     Ok(())
 }
 
-/// The device copy of the current step's token ids, when `data` is exactly those ids.
-fn step_tokens(inner: &Inner, data: &[u8]) -> Option<u64> {
+/// The device copy of the current step's token ids and how many it holds (padding included),
+/// when `data` is exactly the batch's ids.
+fn step_tokens(inner: &Inner, data: &[u8]) -> Option<(u64, usize)> {
     let g = inner.step_cache.lock().ok()?;
-    g.as_ref()
-        .filter(|c| c.tokens.as_slice() == data)
-        .map(|c| c.tokens_ptr)
+    g.as_ref().and_then(|c| c.tokens_for(data))
 }
 
 pub(crate) fn rms_norm(
@@ -161,7 +162,7 @@ pub(crate) fn rms_norm(
 
 pub(crate) fn add_assign(inner: &Arc<Inner>, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
     let n = x.len.min(y.len);
-    if n > 0 {
+    if n > 0 && !super::matmul::fold_add(inner, x.ptr(), y.ptr(), n) {
         let kernel = inner.module.act(inner.act()).add;
         inner.push(Op::Add {
             kernel,
@@ -313,27 +314,30 @@ pub(crate) fn gather_rows(
             "gather_rows: row {r} is outside the input"
         )));
     }
-    let known = inner.step_cache.lock().ok().and_then(|g| {
-        g.as_ref()
-            .filter(|c| c.rows.as_slice() == rows)
-            .map(|c| c.rows_ptr)
-    });
-    let (ptr, _hold) = match known {
-        Some(p) => (p, None),
+    let known = inner
+        .step_cache
+        .lock()
+        .ok()
+        .and_then(|g| g.as_ref().and_then(|c| c.rows_for(rows)));
+    // A padded step's rows continue with the padding rows, gathered too when both buffers
+    // have room for them.
+    let (ptr, n_rows, _hold) = match known {
+        Some((p, all)) if out.len >= all * width && x.len >= all * width => (p, all, None),
+        Some((p, _)) => (p, rows.len(), None),
         None => {
             let data: Vec<u8> = rows
                 .iter()
                 .flat_map(|&r| (r as i32).to_le_bytes())
                 .collect();
             let b = upload_bytes(inner, data)?;
-            (b.ptr(), Some(b))
+            (b.ptr(), rows.len(), Some(b))
         }
     };
     let k = inner.module.act(inner.act()).gather_rows;
     launch(
         inner,
         k,
-        [rows.len() as u32, 1, 1],
+        [n_rows as u32, 1, 1],
         256,
         vec![out.ptr(), x.ptr(), ptr, width as u64],
     );
@@ -342,5 +346,5 @@ pub(crate) fn gather_rows(
 
 pub(crate) fn to_host(inner: &Arc<Inner>, x: &CudaBuf) -> Result<Vec<f32>> {
     inner.flush()?;
-    super::readback::read(inner, x.ptr(), x.len)
+    super::readback::read(inner, x.ptr(), x.host_len)
 }

@@ -39,6 +39,11 @@ pub struct Gemv {
     pub wtype: WType,
     /// Output rows per block of [`GEMV_THREADS`] threads (8 for the warp-per-row kernels).
     pub rows_per_block: usize,
+    /// An RMSNorm folded in (block-cooperative kernels only): (raw input, f32 gain, eps bits);
+    /// `x` is then the norm's output, written by the kernel too.
+    pub norm: Option<(u64, u64, u32)>,
+    /// A residual add folded in: `res += y` (one segment; 0 for none).
+    pub res: u64,
 }
 
 /// One unit of device work.
@@ -300,7 +305,9 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             )
         }
         Op::Gemv(g) => {
-            let mut a = [0u64; 13];
+            // The warp-per-row kernels take the first 13 parameters, the block-cooperative
+            // ones all 17 (gain, eps, norm output, residual).
+            let mut a = [0u64; 17];
             for (i, &(w, y, rows)) in g.segs.iter().enumerate() {
                 a[i] = w;
                 a[3 + i] = y;
@@ -310,6 +317,13 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             a[10] = g.n as u64;
             a[11] = g.k as u64;
             a[12] = g.row_bytes as u64;
+            if let Some((raw, gain, eps)) = g.norm {
+                a[9] = raw;
+                a[13] = gain;
+                a[14] = eps as u64;
+                a[15] = g.x;
+            }
+            a[16] = g.res;
             let rows: usize = g.segs.iter().map(|s| s.2).sum();
             launch(
                 m,

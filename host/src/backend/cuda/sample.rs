@@ -13,32 +13,40 @@ use crate::error::{Error, Result};
 /// Largest K the top-K kernel takes (`TOPK_MAX`).
 pub const TOPK_MAX: usize = 1024;
 
-fn rows_of(x: &CudaBuf, width: usize) -> Result<usize> {
+/// Rows the kernel runs over (a padded step's padding rows included, so the launch is the
+/// same for every batch of a bucket and joins its graph) and rows returned.
+fn rows_of(x: &CudaBuf, width: usize) -> Result<(usize, usize)> {
     if width == 0 {
         return Err(Error::BadRequest("row width 0".into()));
     }
-    Ok(x.len() / width)
+    Ok((x.len / width, x.host_len / width))
+}
+
+/// Queues a copy of `n` values of `T` at `ptr` into `v` (the caller synchronizes once).
+fn download_into<T>(inner: &Inner, ptr: u64, v: &mut [T]) -> Result<()> {
+    // SAFETY: `ptr` holds `v.len()` values of `T` written by the queued kernel; the copy is
+    // ordered after it on the stream, and the caller keeps `v` alive and untouched until the
+    // stream is synchronized.
+    unsafe { result::memcpy_dtoh_async(v, ptr, inner.stream.cu_stream()) }
+        .map_err(|e| cuda_err("copy to host", e))
 }
 
 fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
     let mut v = vec![T::default(); n];
-    // SAFETY: `ptr` holds `n` values of `T` written by the queued kernel; the copy is ordered
-    // after it on the stream and complete once the stream is synchronized.
-    unsafe { result::memcpy_dtoh_async(v.as_mut_slice(), ptr, inner.stream.cu_stream()) }
-        .map_err(|e| cuda_err("copy to host", e))?;
+    download_into(inner, ptr, &mut v)?;
     inner.sync()?;
     Ok(v)
 }
 
 pub(crate) fn argmax_rows(inner: &Arc<Inner>, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {
-    let rows = rows_of(x, width)?;
+    let (dev_rows, rows) = rows_of(x, width)?;
     if rows == 0 {
         return Ok(Vec::new());
     }
-    let out = inner.scratch(rows, 4)?;
+    let out = inner.scratch(dev_rows, 4)?;
     inner.push(Op::Launch {
         kernel: inner.module.act(inner.act()).argmax,
-        grid: [rows as u32, 1, 1],
+        grid: [dev_rows as u32, 1, 1],
         block: 1024,
         smem: 0,
         args: vec![out.ptr(), x.ptr(), width as u64],
@@ -53,7 +61,7 @@ pub(crate) fn top_k_rows(
     width: usize,
     k: usize,
 ) -> Result<Vec<Vec<(u32, f32)>>> {
-    let rows = rows_of(x, width)?;
+    let (dev_rows, rows) = rows_of(x, width)?;
     let k = k.min(width);
     if k > TOPK_MAX {
         return Err(Error::BadRequest(format!(
@@ -63,18 +71,22 @@ pub(crate) fn top_k_rows(
     if rows == 0 || k == 0 {
         return Ok(vec![Vec::new(); rows]);
     }
-    let ids = inner.scratch(rows * k, 4)?;
-    let vals = inner.scratch(rows * k, 4)?;
+    let ids = inner.scratch(dev_rows * k, 4)?;
+    let vals = inner.scratch(dev_rows * k, 4)?;
     inner.push(Op::Launch {
         kernel: inner.module.act(inner.act()).topk,
-        grid: [rows as u32, 1, 1],
+        grid: [dev_rows as u32, 1, 1],
         block: 1024,
         smem: 0,
         args: vec![ids.ptr(), vals.ptr(), x.ptr(), width as u64, k as u64],
     });
     inner.flush()?;
-    let i: Vec<u32> = download(inner, ids.ptr(), rows * k)?;
-    let v: Vec<f32> = download(inner, vals.ptr(), rows * k)?;
+    // Both copies queued, one wait.
+    let mut i = vec![0u32; rows * k];
+    let mut v = vec![0f32; rows * k];
+    download_into(inner, ids.ptr(), &mut i)?;
+    download_into(inner, vals.ptr(), &mut v)?;
+    inner.sync()?;
     Ok(i.chunks(k)
         .zip(v.chunks(k))
         .map(|(i, v)| i.iter().copied().zip(v.iter().copied()).collect())

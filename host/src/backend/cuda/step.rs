@@ -2,6 +2,13 @@
 //! and KV slot, block tables (padded to a power-of-two width so decode steps keep one shape),
 //! the logits rows, per-sequence spans and the prefill kernel's 64-query work items, all in
 //! one pooled buffer filled by a single upload. Rotary tables are built per spec on first use.
+//!
+//! Decode steps are padded to a bucket of batch sizes ([`bucket`]) so that one CUDA graph
+//! serves every batch size of a bucket. A padding row is a sequence of its own: token 0 at
+//! position 0, its K/V slot and its block table in block -1 (the scratch block every
+//! [`super::CudaKv`] keeps before block 0), its logits row its own. While such a step lives,
+//! per-token buffers made by `zeros` carry the padding rows too (see `CudaBuf`), and the
+//! operations run over them; only the real rows reach the host.
 
 use std::sync::Arc;
 
@@ -15,13 +22,63 @@ use crate::model::hparams::RopeSpec;
 /// Query rows per prefill work item (`FA_BM` in `kernels/attention_prefill.cu`).
 pub const PREFILL_TILE: usize = 64;
 
-/// What `embed` and `gather_rows` look up to reuse the step's device copies.
+/// Batch sizes decode steps are padded to (beyond the last one they are not padded).
+const BUCKETS: [usize; 15] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512];
+
+/// The bucket a decode step of `n` sequences is padded to, `None` above the largest.
+pub fn bucket(n: usize) -> Option<usize> {
+    BUCKETS.iter().copied().find(|&b| b >= n)
+}
+
+/// A padded step's real and padded token counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pad {
+    pub real: usize,
+    pub padded: usize,
+}
+
+/// What `embed`, `gather_rows` and `zeros` look up to reuse the step's device copies.
 pub(crate) struct StepCache {
+    /// Token ids as uploaded (padding included).
     pub tokens: Vec<u8>,
     pub tokens_ptr: u64,
+    /// The batch's logits rows (without padding); the device copy holds `pad.padded` rows
+    /// when the step is padded.
     pub rows: Vec<usize>,
     pub rows_ptr: u64,
+    pub pad: Option<Pad>,
     arena: u64,
+}
+
+impl StepCache {
+    /// The device copy of the step's token ids and how many it holds, when `data` (little-
+    /// endian u32 ids) is exactly the batch's tokens.
+    pub fn tokens_for(&self, data: &[u8]) -> Option<(u64, usize)> {
+        let real = self.pad.map_or(self.tokens.len() / 4, |p| p.real);
+        (self.tokens.get(..real * 4)? == data).then_some((self.tokens_ptr, self.tokens.len() / 4))
+    }
+
+    /// The device copy of the logits rows and how many it holds, when `rows` are the batch's.
+    pub fn rows_for(&self, rows: &[usize]) -> Option<(u64, usize)> {
+        (self.rows.as_slice() == rows)
+            .then_some((self.rows_ptr, self.pad.map_or(rows.len(), |p| p.padded)))
+    }
+}
+
+/// The padded size of a decode batch, when it is padded at all: every sequence runs one
+/// token and wants its logits, in order.
+fn padding(batch: &Batch, enabled: bool) -> Option<Pad> {
+    let n = batch.n_tokens();
+    if !enabled || n == 0 || batch.seqs.len() != n || batch.logits_for.len() != n {
+        return None;
+    }
+    let plain = batch
+        .seqs
+        .iter()
+        .enumerate()
+        .all(|(i, s)| s.len == 1 && s.start == i && batch.logits_for[i] == i);
+    let padded = bucket(n)?;
+    (plain && padded > n).then_some(Pad { real: n, padded })
 }
 
 /// Device offsets (bytes) of the arrays in the arena.
@@ -53,6 +110,8 @@ pub struct CudaStep {
     pub max_block: u32,
     pub block_size: usize,
     pub n_tiles: usize,
+    /// Tokens of the batch itself (`n_tokens` counts the padding rows too).
+    pub real_tokens: usize,
     arena: CudaBuf,
     off: Offsets,
     ropes: Vec<(RopeSpec, CudaBuf, CudaBuf)>,
@@ -78,6 +137,9 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
         return Err(Error::BadRequest("block size 0".into()));
     }
     let n = batch.n_tokens();
+    if block_size > i32::MAX as usize {
+        return Err(Error::BadRequest(format!("block size {block_size}")));
+    }
     let mut tok_seq = vec![0i32; n];
     let mut slots = vec![0i64; n];
     let (mut max_len, mut max_ctx, mut max_table, mut max_block) = (0usize, 0usize, 1usize, 0u32);
@@ -112,7 +174,27 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
         )));
     }
     let width = max_table.next_power_of_two();
-    let positions = batch.positions();
+    let pad = padding(batch, inner.opts.graphs && inner.opts.buckets);
+    let total = pad.map_or(n, |p| p.padded);
+    let extra = total - n;
+    let bs = block_size as i64;
+    // Padding rows: one sequence each, token 0 at position 0, slot and table in block -1.
+    let tokens = batch.tokens.iter().copied().chain((0..extra).map(|_| 0u32));
+    let positions = batch.positions().into_iter().chain((0..extra).map(|_| 0));
+    let tok_seq = tok_seq.into_iter().chain((n..total).map(|i| i as i32));
+    let slots = slots.into_iter().chain((0..extra).map(|_| -bs));
+    let rows = batch.logits_for.iter().copied().chain(n..total);
+    let spans = |f: fn(&crate::model::batch::SeqSlice) -> usize, pad_value: fn(usize) -> usize| {
+        batch
+            .seqs
+            .iter()
+            .map(move |s| f(s) as i32)
+            .chain((n..total).map(move |i| pad_value(i) as i32))
+            .collect::<Vec<i32>>()
+    };
+    let seq_start = spans(|s| s.start, |i| i);
+    let seq_len = spans(|s| s.len, |_| 1);
+    let seq_pos = spans(|s| s.pos, |_| 0);
     let mut tiles = Vec::new();
     for (si, s) in batch.seqs.iter().enumerate() {
         for q0 in (0..s.len).step_by(PREFILL_TILE) {
@@ -120,33 +202,36 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
             tiles.push(q0 as i32);
         }
     }
+    for si in n..total {
+        tiles.extend([si as i32, 0]);
+    }
     let i32b = |v: i32| v.to_le_bytes().to_vec();
     let mut buf = Vec::new();
     let off = Offsets {
-        tokens: put(&mut buf, batch.tokens.iter().copied(), |t: u32| {
-            t.to_le_bytes().to_vec()
-        }),
-        positions: put(&mut buf, positions.iter().map(|&p| p as i32), i32b),
-        tok_seq: put(&mut buf, tok_seq.iter().copied(), i32b),
-        slots: put(&mut buf, slots.iter().copied(), |v: i64| {
-            v.to_le_bytes().to_vec()
-        }),
+        tokens: put(&mut buf, tokens, |t: u32| t.to_le_bytes().to_vec()),
+        positions: put(&mut buf, positions.map(|p| p as i32), i32b),
+        tok_seq: put(&mut buf, tok_seq, i32b),
+        slots: put(&mut buf, slots, |v: i64| v.to_le_bytes().to_vec()),
         tables: put(
             &mut buf,
-            batch.seqs.iter().flat_map(|s| {
-                (0..width).map(move |j| s.block_table.get(j).copied().unwrap_or(0) as i32)
-            }),
+            batch
+                .seqs
+                .iter()
+                .flat_map(|s| {
+                    (0..width).map(move |j| s.block_table.get(j).copied().unwrap_or(0) as i32)
+                })
+                .chain((0..extra * width).map(|_| -1)),
             i32b,
         ),
-        rows: put(&mut buf, batch.logits_for.iter().map(|&r| r as i32), i32b),
-        seq_start: put(&mut buf, batch.seqs.iter().map(|s| s.start as i32), i32b),
-        seq_len: put(&mut buf, batch.seqs.iter().map(|s| s.len as i32), i32b),
-        seq_pos: put(&mut buf, batch.seqs.iter().map(|s| s.pos as i32), i32b),
+        rows: put(&mut buf, rows.map(|r| r as i32), i32b),
+        seq_start: put(&mut buf, seq_start, i32b),
+        seq_len: put(&mut buf, seq_len, i32b),
+        seq_pos: put(&mut buf, seq_pos, i32b),
         tiles: put(&mut buf, tiles.iter().copied(), i32b),
     };
     let arena = inner.scratch(buf.len().max(16), 1)?;
     let base = arena.ptr();
-    let tokens_bytes = buf[off.tokens..off.tokens + 4 * n].to_vec();
+    let tokens_bytes = buf[off.tokens..off.tokens + 4 * total].to_vec();
     inner.push(Op::Upload {
         ptr: base,
         data: buf,
@@ -157,18 +242,20 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
             tokens_ptr: base + off.tokens as u64,
             rows: batch.logits_for.clone(),
             rows_ptr: base + off.rows as u64,
+            pad,
             arena: base,
         });
     }
     Ok(CudaStep {
-        n_tokens: n,
-        n_seqs: batch.seqs.len(),
+        n_tokens: total,
+        n_seqs: batch.seqs.len() + extra,
         width,
         max_len,
         max_ctx,
         max_block,
         block_size,
         n_tiles: tiles.len() / 2,
+        real_tokens: n,
         arena,
         off,
         ropes: Vec::new(),
@@ -228,5 +315,48 @@ impl Drop for CudaStep {
                 *c = None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{bucket, padding, Pad};
+    use crate::model::batch::Batch;
+
+    #[test]
+    fn buckets_round_up_and_stop_at_the_largest() {
+        assert_eq!(bucket(1), Some(1));
+        assert_eq!(bucket(3), Some(4));
+        assert_eq!(bucket(17), Some(24));
+        assert_eq!(bucket(24), Some(24));
+        assert_eq!(bucket(129), Some(192));
+        assert_eq!(bucket(512), Some(512));
+        assert_eq!(bucket(513), None);
+        for n in 1..=512 {
+            let b = bucket(n).unwrap();
+            assert!(b >= n && b < 2 * n.max(1) + 1, "{n} -> {b}");
+        }
+    }
+
+    #[test]
+    fn only_plain_decode_batches_are_padded() {
+        let decode = |n: usize| {
+            let mut b = Batch::default();
+            for i in 0..n {
+                b.push(&[7], 10 + i, vec![i as u32], true);
+            }
+            b
+        };
+        assert_eq!(padding(&decode(3), true), Some(Pad { real: 3, padded: 4 }));
+        assert_eq!(padding(&decode(3), false), None, "switched off");
+        assert_eq!(padding(&decode(4), true), None, "already a bucket");
+        let mut prefill = decode(2);
+        prefill.push(&[1, 2], 0, vec![9], true);
+        assert_eq!(padding(&prefill, true), None, "a sequence runs two tokens");
+        let mut no_logits = Batch::default();
+        for i in 0..3 {
+            no_logits.push(&[7], 10, vec![i], i != 1);
+        }
+        assert_eq!(padding(&no_logits, true), None, "a row without logits");
     }
 }

@@ -121,17 +121,23 @@ pub(crate) fn prepare(inner: &Arc<Inner>, w: &Weight) -> Result<CudaWeight> {
     }
 }
 
-/// Paged KV storage on the device (bf16).
+/// Paged KV storage on the device (bf16). Each layer's arrays hold one block more than the
+/// shape says, in front of block 0: block -1, where the padding rows of a padded decode step
+/// (`step::bucket`) write their K/V and attend, so they never touch a real block.
 pub struct CudaKv {
     pub shape: KvShape,
     layers: Vec<(DevMem, DevMem)>,
+    /// Bytes of one block (the offset of block 0 in each array).
+    block_bytes: u64,
     inner: Arc<Inner>,
 }
 
 impl CudaKv {
-    /// Device pointers of layer `l`'s K and V arrays.
+    /// Device pointers of block 0 of layer `l`'s K and V arrays.
     pub(crate) fn layer(&self, l: usize) -> Option<(u64, u64)> {
-        self.layers.get(l).map(|(k, v)| (k.ptr, v.ptr))
+        self.layers
+            .get(l)
+            .map(|(k, v)| (k.ptr + self.block_bytes, v.ptr + self.block_bytes))
     }
 }
 
@@ -145,7 +151,8 @@ impl Drop for CudaKv {
 }
 
 pub(crate) fn new_kv(inner: &Arc<Inner>, s: KvShape) -> Result<CudaKv> {
-    let bytes = s.num_blocks * s.block_size * s.kv_heads * s.head_dim * 2;
+    let block_bytes = s.block_size * s.kv_heads * s.head_dim * 2;
+    let bytes = (s.num_blocks + 1) * block_bytes;
     let mut layers = Vec::with_capacity(s.layers);
     for _ in 0..s.layers {
         let k = DevMem::alloc(&inner.ctx, bytes)?;
@@ -157,6 +164,7 @@ pub(crate) fn new_kv(inner: &Arc<Inner>, s: KvShape) -> Result<CudaKv> {
     Ok(CudaKv {
         shape: s,
         layers,
+        block_bytes: block_bytes as u64,
         inner: inner.clone(),
     })
 }

@@ -334,20 +334,30 @@ impl<B: Backend> DeepseekV3<B> {
         let be = &self.backend;
         let c = &self.cfg;
         let dims = self.dims();
+        let (r, dr) = (c.kv_lora_rank, c.qk_rope_head_dim);
         let mut q = be.zeros(n * dims.q_width())?;
+        let mut kva = be.zeros(n * (r + dr))?;
+        // Both products of `h` back to back (a backend may fuse them and the norm before them
+        // into one launch), then the rest of the query path.
         match &a.q {
-            QProj::Direct(w) => be.matmul(w, h, n, &mut q)?,
-            QProj::Lora { a, norm, b, rank } => {
+            QProj::Direct(w) => {
+                be.matmul(w, h, n, &mut q)?;
+                be.matmul(&a.kv_a, h, n, &mut kva)?;
+            }
+            QProj::Lora {
+                a: qa_w,
+                norm,
+                b,
+                rank,
+            } => {
                 let mut qa = be.zeros(n * rank)?;
-                be.matmul(a, h, n, &mut qa)?;
+                be.matmul(qa_w, h, n, &mut qa)?;
+                be.matmul(&a.kv_a, h, n, &mut kva)?;
                 let mut qn = be.zeros(n * rank)?;
                 be.rms_norm(&qa, norm, LATENT_NORM_EPS, &mut qn)?;
                 be.matmul(b, &qn, n, &mut q)?;
             }
         }
-        let (r, dr) = (c.kv_lora_rank, c.qk_rope_head_dim);
-        let mut kva = be.zeros(n * (r + dr))?;
-        be.matmul(&a.kv_a, h, n, &mut kva)?;
         let mut att = be.zeros(n * c.n_heads * c.v_head_dim)?;
         let w = MlaWeights {
             kv_a_norm: &a.kv_a_norm,

@@ -9,7 +9,8 @@ use crate::backend::{AttnParams, Backend, KvShape};
 use crate::error::{Error, Result};
 use crate::model::batch::Batch;
 use crate::model::hparams::{AttentionKind, ModelConfig};
-use crate::model::{CausalLm, KvCache, Naming, WeightSource};
+use crate::model::{check_k, CausalLm, KvCache, Logits, LogitsWant, Naming, WeightSource};
+use crate::sampling::Candidate;
 
 struct Layer<W> {
     attn_norm: W,
@@ -146,6 +147,36 @@ impl<B: Backend> CausalLm for Llama<B> {
     }
 
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
+        let logits = self.logits(batch, kv)?;
+        self.backend.to_host(&logits)
+    }
+
+    fn forward_select(&self, batch: &Batch, kv: &mut KvCache, want: LogitsWant) -> Result<Logits> {
+        let logits = self.logits(batch, kv)?;
+        let (be, vocab) = (&self.backend, self.cfg.vocab);
+        Ok(match want {
+            LogitsWant::Full => Logits::Full(be.to_host(&logits)?),
+            LogitsWant::Argmax => Logits::Argmax(be.argmax_rows(&logits, vocab)?),
+            LogitsWant::TopK(k) => {
+                check_k(k)?;
+                let rows = be.top_k_rows(&logits, vocab, k)?;
+                Logits::TopK(
+                    rows.into_iter()
+                        .map(|r| {
+                            r.into_iter()
+                                .map(|(id, logit)| Candidate { id, logit })
+                                .collect()
+                        })
+                        .collect(),
+                )
+            }
+        })
+    }
+}
+
+impl<B: Backend> Llama<B> {
+    /// Runs `batch` and leaves the logits of `batch.logits_for` on the backend.
+    fn logits(&self, batch: &Batch, kv: &mut KvCache) -> Result<B::Buf> {
         let c = &self.cfg;
         let be = &self.backend;
         let n = batch.n_tokens();
@@ -202,6 +233,6 @@ impl<B: Backend> CausalLm for Llama<B> {
             m,
             &mut logits,
         )?;
-        be.to_host(&logits)
+        Ok(logits)
     }
 }
