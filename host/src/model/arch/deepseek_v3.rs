@@ -21,7 +21,8 @@ use crate::model::deepseek_config::DeepseekV3Config;
 use crate::model::hparams::{rope_inv_freq, ModelConfig};
 use crate::model::mla::{MlaDims, MlaParams, MlaPath, MlaWeights};
 use crate::model::moe::{ExpertLoad, Mlp, MoeLayer, Router};
-use crate::model::{CausalLm, KvCache, WeightSource};
+use crate::model::{check_k, CausalLm, KvCache, Logits, LogitsWant, WeightSource};
+use crate::sampling::Candidate;
 
 /// Epsilon of the latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): the reference builds
 /// them with its default, not `rms_norm_eps`.
@@ -403,7 +404,8 @@ impl<B: Backend> DeepseekV3<B> {
         be.add_assign(x, &f)
     }
 
-    fn logits(&self, x: &B::Buf, norm: &B::Weight, rows: &[usize]) -> Result<Vec<f32>> {
+    /// The logits of rows `rows` of `x`, left on the backend.
+    fn logits(&self, x: &B::Buf, norm: &B::Weight, rows: &[usize]) -> Result<B::Buf> {
         let be = &self.backend;
         let (m, d) = (rows.len(), self.cfg.hidden);
         let mut sel = be.zeros(m * d)?;
@@ -417,7 +419,21 @@ impl<B: Backend> DeepseekV3<B> {
             m,
             &mut logits,
         )?;
-        be.to_host(&logits)
+        Ok(logits)
+    }
+
+    /// Runs the main layers over `batch`; the logits of `batch.logits_for` stay on the backend.
+    fn main_logits(&self, batch: &Batch, kv: &mut KvCache) -> Result<B::Buf> {
+        let be = &self.backend;
+        let (n, d) = (batch.n_tokens(), self.cfg.hidden);
+        let mut step = be.prepare_step(batch, kv.block_size())?;
+        let kv = kv.get_mut::<B::MlaKv>()?;
+        let mut x = be.zeros(n * d)?;
+        be.embed(&self.embed, &batch.tokens, &mut x)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            self.block(b, i, &mut x, batch, &mut step, kv)?;
+        }
+        self.logits(&x, &self.norm, &batch.logits_for)
     }
 
     /// Runs the main layers; returns the logits of `batch.logits_for` and the final-norm hidden
@@ -439,7 +455,7 @@ impl<B: Backend> DeepseekV3<B> {
         let mut normed = be.zeros(n * d)?;
         be.rms_norm(&x, &self.norm, self.cfg.rms_eps, &mut normed)?;
         let logits = self.logits(&x, &self.norm, &batch.logits_for)?;
-        Ok((logits, be.to_host(&normed)?))
+        Ok((be.to_host(&logits)?, be.to_host(&normed)?))
     }
 
     /// MTP layer `depth`: token `i` of `batch` is combined with `prev_hidden[i]` (the main
@@ -500,7 +516,7 @@ impl<B: Backend> DeepseekV3<B> {
         let logits = self.logits(&x, &m.norm, &batch.logits_for)?;
         let mut normed = be.zeros(n * d)?;
         be.rms_norm(&x, &m.norm, self.cfg.rms_eps, &mut normed)?;
-        Ok((logits, be.to_host(&normed)?))
+        Ok((be.to_host(&logits)?, be.to_host(&normed)?))
     }
 }
 
@@ -538,15 +554,30 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
     }
 
     fn forward(&self, batch: &Batch, kv: &mut KvCache) -> Result<Vec<f32>> {
-        let be = &self.backend;
-        let (n, d) = (batch.n_tokens(), self.cfg.hidden);
-        let mut step = be.prepare_step(batch, kv.block_size())?;
-        let kv = kv.get_mut::<B::MlaKv>()?;
-        let mut x = be.zeros(n * d)?;
-        be.embed(&self.embed, &batch.tokens, &mut x)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            self.block(b, i, &mut x, batch, &mut step, kv)?;
-        }
-        self.logits(&x, &self.norm, &batch.logits_for)
+        let logits = self.main_logits(batch, kv)?;
+        self.backend.to_host(&logits)
+    }
+
+    /// Like [`CausalLm::forward`], but only what the samplers need leaves the backend.
+    fn forward_select(&self, batch: &Batch, kv: &mut KvCache, want: LogitsWant) -> Result<Logits> {
+        let logits = self.main_logits(batch, kv)?;
+        let (be, vocab) = (&self.backend, self.cfg.vocab);
+        Ok(match want {
+            LogitsWant::Full => Logits::Full(be.to_host(&logits)?),
+            LogitsWant::Argmax => Logits::Argmax(be.argmax_rows(&logits, vocab)?),
+            LogitsWant::TopK(k) => {
+                check_k(k)?;
+                let rows = be.top_k_rows(&logits, vocab, k)?;
+                Logits::TopK(
+                    rows.into_iter()
+                        .map(|r| {
+                            r.into_iter()
+                                .map(|(id, logit)| Candidate { id, logit })
+                                .collect()
+                        })
+                        .collect(),
+                )
+            }
+        })
     }
 }
