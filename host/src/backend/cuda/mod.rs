@@ -553,7 +553,17 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, x: &[f32]) -> Result<CudaBuf> {
-        ops::from_host(&self.inner, x)
+        // While a padded step lives, per-token data gets zero padding rows, as `zeros` does.
+        let dev = self.inner.padded_len(x.len());
+        if dev == x.len() {
+            return ops::from_host(&self.inner, x);
+        }
+        let mut padded = Vec::with_capacity(dev);
+        padded.extend_from_slice(x);
+        padded.resize(dev, 0.0);
+        let mut b = ops::from_host(&self.inner, &padded)?;
+        b.host_len = x.len();
+        Ok(b)
     }
 
     fn argmax_rows(&self, x: &CudaBuf, width: usize) -> Result<Vec<u32>> {
