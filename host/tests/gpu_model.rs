@@ -13,7 +13,9 @@ mod gpu {
     use deepinfer::backend::Device;
     use deepinfer::model::arch::llama::Llama;
     use deepinfer::model::batch::Batch;
-    use deepinfer::model::{gguf, gguf_config, gguf_writer, random, tiny::TinyLlama, CausalLm};
+    use deepinfer::model::{
+        gguf, gguf_config, gguf_writer, random, tiny::TinyLlama, CausalLm, Logits, LogitsWant,
+    };
     use deepinfer::runtime::{EngineOptions, Llm, Request};
     use deepinfer::sampling::{NativeSampler, SamplingParams};
 
@@ -325,6 +327,57 @@ mod gpu {
             2e-2,
             6e-2,
         );
+    }
+
+    /// `forward_select` on the device (the argmax and top-K kernels; padded decode rows
+    /// dropped) against the same step's full logits selected on the host: the same ids in the
+    /// same order (ties by the lower id: bf16 logits tie often) and the same values.
+    #[test]
+    fn device_selection_matches_host_selection_of_the_same_logits() {
+        if skip() {
+            return;
+        }
+        let shape = wide_bf16_shape();
+        let src = random::RandomWeights {
+            seed: 9,
+            tie_embeddings: false,
+        };
+        let be = CudaBackend::new(0, CudaOptions::from_env().unwrap()).unwrap();
+        let m = Llama::load(shape.config(), &src, be).unwrap();
+        let vocab = m.config().vocab;
+        for n in [1usize, 3, 5] {
+            let mut kv = m.new_kv(4 * n, 16).unwrap();
+            let table = |i: usize| (4 * i as u32..4 * i as u32 + 4).collect::<Vec<u32>>();
+            let mut b = Batch::default();
+            for i in 0..n {
+                b.push(&[(i * 7 + 3) as u32, 5, 9], 0, table(i), true);
+            }
+            m.forward(&b, &mut kv).unwrap();
+            // The same decode step each time: it rewrites its own K/V slot with the same values.
+            let mut step = |want| {
+                let mut b = Batch::default();
+                for i in 0..n {
+                    b.push(&[(i * 11 + 1) as u32], 3, table(i), true);
+                }
+                m.forward_select(&b, &mut kv, want).unwrap()
+            };
+            let Logits::Full(full) = step(LogitsWant::Full) else {
+                panic!("full rows asked, something else returned");
+            };
+            assert_eq!(full.len(), n * vocab);
+            for want in [
+                LogitsWant::Argmax,
+                LogitsWant::TopK(1),
+                LogitsWant::TopK(40),
+                LogitsWant::TopK(1024),
+            ] {
+                let host = Logits::select(full.clone(), vocab, want).unwrap();
+                let device = step(want);
+                assert_eq!(device.rows(vocab), n, "{want:?}, {n} sequences");
+                assert_eq!(device, host, "{want:?}, {n} sequences");
+            }
+            eprintln!("device selection, {n} sequences: argmax and top-1/40/1024 equal the host's");
+        }
     }
 
     /// Decode steps whose batch size changes every step (3..=24 sequences, three rounds):

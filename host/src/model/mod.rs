@@ -111,6 +111,29 @@ impl Logits {
         })
     }
 
+    /// Brings back from `be` what `want` asks of `logits` (rows of `vocab`), selecting there.
+    pub fn from_backend<B: crate::backend::Backend>(
+        be: &B,
+        logits: &B::Buf,
+        vocab: usize,
+        want: LogitsWant,
+    ) -> Result<Logits> {
+        Ok(match want {
+            LogitsWant::Full => Logits::Full(be.to_host(logits)?),
+            LogitsWant::Argmax => Logits::Argmax(be.argmax_rows(logits, vocab)?),
+            LogitsWant::TopK(k) => {
+                check_k(k)?;
+                let rows = be.top_k_rows(logits, vocab, k)?;
+                let to_candidates = |r: Vec<(TokenId, f32)>| {
+                    r.into_iter()
+                        .map(|(id, logit)| Candidate { id, logit })
+                        .collect()
+                };
+                Logits::TopK(rows.into_iter().map(to_candidates).collect())
+            }
+        })
+    }
+
     /// Number of rows.
     pub fn rows(&self, vocab: usize) -> usize {
         match self {

@@ -11,8 +11,7 @@
 use std::sync::Arc;
 
 use super::device::DevMem;
-use super::ops::check;
-use super::queue::Op;
+use super::ops::{check, launch};
 use super::step::CudaStep;
 use super::weights::WType;
 use super::{Act, CudaBuf, CudaWeight, Inner};
@@ -106,22 +105,6 @@ fn weight_index(w: &CudaWeight, what: &str) -> Result<usize> {
             "MLA on CUDA reads {what} as f32 or bf16, not {other:?}"
         ))),
     }
-}
-
-fn launch(
-    inner: &Inner,
-    kernel: super::module::KernelId,
-    grid: [u32; 3],
-    block: u32,
-    args: Vec<u64>,
-) {
-    inner.push(Op::Launch {
-        kernel,
-        grid,
-        block,
-        smem: 0,
-        args,
-    });
 }
 
 #[allow(clippy::too_many_arguments)]

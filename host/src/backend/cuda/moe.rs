@@ -8,8 +8,7 @@
 use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
-use super::ops::check;
-use super::queue::Op;
+use super::ops::{check, launch};
 use super::weights::WType;
 use super::{Act, CudaBackend, CudaBuf, CudaWeight, Inner};
 use crate::error::{Error, Result};
@@ -121,22 +120,6 @@ fn state<'a>(
         .get()
         .and_then(|b| b.downcast_ref::<MoeDevice>())
         .ok_or_else(|| Error::Cuda("MoE layer holds another backend's state".into()))
-}
-
-fn launch(
-    inner: &Inner,
-    kernel: super::module::KernelId,
-    grid: [u32; 3],
-    block: u32,
-    args: Vec<u64>,
-) {
-    inner.push(Op::Launch {
-        kernel,
-        grid,
-        block,
-        smem: 0,
-        args,
-    });
 }
 
 /// `out = moe(x)` on the device; hash-routed layers fall back to the host routing.

@@ -24,7 +24,8 @@ fn f32_bits(v: f32) -> u64 {
     v.to_bits() as u64
 }
 
-fn launch(
+/// Queues `kernel` without dynamic shared memory.
+pub(crate) fn launch(
     inner: &Inner,
     kernel: super::module::KernelId,
     grid: [u32; 3],

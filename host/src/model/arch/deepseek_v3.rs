@@ -21,8 +21,7 @@ use crate::model::deepseek_config::DeepseekV3Config;
 use crate::model::hparams::{rope_inv_freq, ModelConfig};
 use crate::model::mla::{MlaDims, MlaParams, MlaPath, MlaWeights};
 use crate::model::moe::{ExpertLoad, Mlp, MoeLayer, Router};
-use crate::model::{check_k, CausalLm, KvCache, Logits, LogitsWant, WeightSource};
-use crate::sampling::Candidate;
+use crate::model::{CausalLm, KvCache, Logits, LogitsWant, WeightSource};
 
 /// Epsilon of the latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): the reference builds
 /// them with its default, not `rms_norm_eps`.
@@ -561,23 +560,6 @@ impl<B: Backend> CausalLm for DeepseekV3<B> {
     /// Like [`CausalLm::forward`], but only what the samplers need leaves the backend.
     fn forward_select(&self, batch: &Batch, kv: &mut KvCache, want: LogitsWant) -> Result<Logits> {
         let logits = self.main_logits(batch, kv)?;
-        let (be, vocab) = (&self.backend, self.cfg.vocab);
-        Ok(match want {
-            LogitsWant::Full => Logits::Full(be.to_host(&logits)?),
-            LogitsWant::Argmax => Logits::Argmax(be.argmax_rows(&logits, vocab)?),
-            LogitsWant::TopK(k) => {
-                check_k(k)?;
-                let rows = be.top_k_rows(&logits, vocab, k)?;
-                Logits::TopK(
-                    rows.into_iter()
-                        .map(|r| {
-                            r.into_iter()
-                                .map(|(id, logit)| Candidate { id, logit })
-                                .collect()
-                        })
-                        .collect(),
-                )
-            }
-        })
+        Logits::from_backend(&self.backend, &logits, self.cfg.vocab, want)
     }
 }

@@ -9,8 +9,7 @@ use crate::backend::{AttnParams, Backend, KvShape};
 use crate::error::{Error, Result};
 use crate::model::batch::Batch;
 use crate::model::hparams::{AttentionKind, ModelConfig};
-use crate::model::{check_k, CausalLm, KvCache, Logits, LogitsWant, Naming, WeightSource};
-use crate::sampling::Candidate;
+use crate::model::{CausalLm, KvCache, Logits, LogitsWant, Naming, WeightSource};
 
 struct Layer<W> {
     attn_norm: W,
@@ -153,24 +152,7 @@ impl<B: Backend> CausalLm for Llama<B> {
 
     fn forward_select(&self, batch: &Batch, kv: &mut KvCache, want: LogitsWant) -> Result<Logits> {
         let logits = self.logits(batch, kv)?;
-        let (be, vocab) = (&self.backend, self.cfg.vocab);
-        Ok(match want {
-            LogitsWant::Full => Logits::Full(be.to_host(&logits)?),
-            LogitsWant::Argmax => Logits::Argmax(be.argmax_rows(&logits, vocab)?),
-            LogitsWant::TopK(k) => {
-                check_k(k)?;
-                let rows = be.top_k_rows(&logits, vocab, k)?;
-                Logits::TopK(
-                    rows.into_iter()
-                        .map(|r| {
-                            r.into_iter()
-                                .map(|(id, logit)| Candidate { id, logit })
-                                .collect()
-                        })
-                        .collect(),
-                )
-            }
-        })
+        Logits::from_backend(&self.backend, &logits, self.cfg.vocab, want)
     }
 }
 
