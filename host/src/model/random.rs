@@ -124,6 +124,15 @@ pub fn deepseek_shape(name: &str) -> Option<serde_json::Value> {
 /// `top_k` routed and the shared experts of each MoE layer, the output head; f32 norm gains),
 /// the KV cache excluded. This is the numerator of the batch-1 memory floor.
 pub fn deepseek_active_bytes(c: &super::deepseek_config::DeepseekV3Config) -> usize {
+    deepseek_bytes(c, false)
+}
+
+/// Bytes of all the weights of a bf16 DeepSeek-V3 model (every expert, the whole embedding).
+pub fn deepseek_total_bytes(c: &super::deepseek_config::DeepseekV3Config) -> usize {
+    deepseek_bytes(c, true)
+}
+
+fn deepseek_bytes(c: &super::deepseek_config::DeepseekV3Config, all: bool) -> usize {
     let (d, h) = (c.hidden, c.n_heads);
     let qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
     let q = match c.q_lora_rank {
@@ -135,17 +144,37 @@ pub fn deepseek_active_bytes(c: &super::deepseek_config::DeepseekV3Config) -> us
     let o = d * h * c.v_head_dim;
     let attn = 2 * (q + kv_a + kv_b + o);
     let norms = 4 * (2 * d + c.kv_lora_rank + c.q_lora_rank.unwrap_or(0));
-    let mut total = 2 * d + 2 * c.vocab * d + 4 * d;
+    let embed = if all { 2 * c.vocab * d } else { 2 * d };
+    let mut total = embed + 2 * c.vocab * d + 4 * d;
     for i in 0..c.n_layers {
         let ffn = if c.is_moe_layer(i) {
             let e = c.router.n_experts;
-            2 * (e * d + 3 * d * c.moe_intermediate * (c.router.top_k + c.n_shared_experts)) + 4 * e
+            let experts = if all { e } else { c.router.top_k } + c.n_shared_experts;
+            2 * (e * d + 3 * d * c.moe_intermediate * experts) + 4 * e
         } else {
             2 * 3 * d * c.intermediate
         };
         total += attn + norms + ffn;
     }
     total
+}
+
+/// Refuses to build `bytes` of random weights in host memory when the system says less is
+/// available (the process would be killed part-way instead of failing with a message).
+fn check_host_memory(name: &str, bytes: usize, device: Device) -> Result<()> {
+    if !matches!(device, Device::Cpu { .. }) {
+        return Ok(());
+    }
+    let avail = crate::runtime::available_memory()?;
+    if bytes as u64 > avail {
+        return Err(Error::BadConfig(format!(
+            "random-weights shape `{name}` needs {:.1} GB of bf16 weights in memory on the CPU, \
+             {:.1} GB is available; use a smaller shape or --device cuda",
+            bytes as f64 / 1e9,
+            avail as f64 / 1e9
+        )));
+    }
+    Ok(())
 }
 
 /// Looks a shape up by name.
@@ -324,6 +353,7 @@ fn byte_tokenizer() -> Result<super::tokenizer::Tokenizer> {
 pub fn load(name: &str, seed: u64, device: Device) -> Result<LoadedModel> {
     if let Some(json) = deepseek_shape(name) {
         let cfg = super::deepseek_config::DeepseekV3Config::from_json(&json)?;
+        check_host_memory(name, deepseek_total_bytes(&cfg), device)?;
         let src = RandomWeights {
             seed,
             tie_embeddings: false,
@@ -340,6 +370,7 @@ pub fn load(name: &str, seed: u64, device: Device) -> Result<LoadedModel> {
         });
     }
     let s = shape(name)?;
+    check_host_memory(name, 2 * s.params(), device)?;
     let src = RandomWeights {
         seed,
         tie_embeddings: s.tie_embeddings,
@@ -398,7 +429,18 @@ mod tests {
         let b = deepseek_active_bytes(&c);
         eprintln!("moonlight-16b-a3b: {b} active bytes per decode token");
         assert!((5_100_000_000..5_200_000_000).contains(&b), "{b}");
+        // all 64 routed experts, the whole embedding: about 16 B parameters
+        let t = deepseek_total_bytes(&c);
+        assert!((30_000_000_000..34_000_000_000).contains(&t), "{t}");
         assert!(deepseek_shape("nope").is_none());
+    }
+
+    #[test]
+    fn shapes_larger_than_host_memory_are_refused_on_the_cpu() {
+        let cpu = Device::Cpu { threads: 1 };
+        let err = check_host_memory("huge", usize::MAX / 2, cpu).unwrap_err();
+        assert!(err.to_string().contains("`huge` needs"), "{err}");
+        assert!(check_host_memory("small", 1 << 20, cpu).is_ok());
     }
 
     #[test]
