@@ -6,7 +6,7 @@
 //! checkpoints fail with errors that name the problem.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use deepinfer::backend::cpu::CpuBackend;
 use deepinfer::model::arch::deepseek_v3::DeepseekV3;
@@ -16,81 +16,15 @@ use deepinfer::model::tiny_deepseek::TinyDeepseek;
 use deepinfer::model::CausalLm;
 use safetensors::SafeTensors;
 
+#[path = "common/deepseek_ref.rs"]
+mod deepseek_ref;
+
+use deepseek_ref::{data, max_err, prefill, reference, row_err};
+
 const TOL: f64 = 1e-4;
-
-fn data() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/deepseek")
-}
-
-struct Reference {
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    vocab: usize,
-    hidden_dim: usize,
-    logits: Vec<f32>,
-    hidden: Vec<f32>,
-    mtp_logits: Vec<f32>,
-}
-
-fn reference(name: &str) -> Reference {
-    let bytes = std::fs::read(data().join(format!("reference/{name}.safetensors"))).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let f32s = |n: &str| -> (Vec<f32>, Vec<usize>) {
-        let t = st.tensor(n).unwrap();
-        let v = t
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        (v, t.shape().to_vec())
-    };
-    let i64s = |n: &str| -> Vec<i64> {
-        let t = st.tensor(n).unwrap();
-        t.data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let (logits, shape) = f32s("logits");
-    let (hidden, hshape) = f32s("hidden");
-    Reference {
-        tokens: i64s("tokens").iter().map(|&t| t as u32).collect(),
-        prompt_len: i64s("prompt_len")[0] as usize,
-        vocab: shape[1],
-        hidden_dim: hshape[1],
-        logits,
-        hidden,
-        mtp_logits: f32s("mtp_logits").0,
-    }
-}
 
 fn model(name: &str) -> DeepseekV3<CpuBackend> {
     DeepseekV3::open(&data().join(name), CpuBackend::new(2)).expect("the tiny checkpoint loads")
-}
-
-/// Largest difference over the row, relative to the row's largest reference magnitude.
-fn row_err(got: &[f32], want: &[f32]) -> f64 {
-    let scale = want.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
-    diff / scale.max(1e-30)
-}
-
-fn max_err(got: &[f32], want: &[f32], width: usize) -> f64 {
-    assert_eq!(got.len(), want.len());
-    got.chunks(width)
-        .zip(want.chunks(width))
-        .map(|(a, b)| row_err(a, b))
-        .fold(0.0, f64::max)
-}
-
-fn prefill(tokens: &[u32], pos: usize) -> Batch {
-    let mut b = Batch::default();
-    b.push(tokens, pos, vec![0, 1, 2, 3], false);
-    b.logits_for = (0..tokens.len()).collect();
-    b
 }
 
 /// Prompt in one prefill pass (expanded MLA), then each decode token alone (absorbed MLA) through

@@ -5,8 +5,12 @@
 //! or a device the tests print why and pass.
 
 #[cfg(feature = "cuda")]
+#[path = "../../tests/common/deepseek_ref.rs"]
+mod deepseek_ref;
+
+#[cfg(feature = "cuda")]
 mod gpu {
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
     use deepinfer::backend::cpu::CpuBackend;
     use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions};
@@ -17,6 +21,8 @@ mod gpu {
     use deepinfer::model::moe::{Mlp, MoeLayer, Router, RouterConfig, ScoreFunc};
     use deepinfer::model::CausalLm;
     use deepinfer::tensor::Weight;
+
+    use super::deepseek_ref::{data, max_err, prefill, reference, row_err, Reference};
     use safetensors::SafeTensors;
 
     fn cuda(act: Option<Act>) -> Option<CudaBackend> {
@@ -29,82 +35,6 @@ mod gpu {
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
-    }
-
-    /// The fixtures: beside the sources this was built from, else under the working folder
-    /// (the device machine runs the packed binary from another checkout's root).
-    fn data() -> PathBuf {
-        let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/deepseek");
-        if built.is_dir() {
-            built
-        } else {
-            PathBuf::from("tests/data/deepseek")
-        }
-    }
-
-    /// Largest difference over the row, relative to the row's largest reference magnitude.
-    fn row_err(got: &[f32], want: &[f32]) -> f64 {
-        assert_eq!(got.len(), want.len());
-        assert!(got.iter().all(|v| v.is_finite()), "non-finite values");
-        let scale = want.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
-        let diff = got
-            .iter()
-            .zip(want)
-            .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
-        diff / scale.max(1e-30)
-    }
-
-    fn max_err(got: &[f32], want: &[f32], width: usize) -> f64 {
-        assert_eq!(got.len(), want.len());
-        got.chunks(width)
-            .zip(want.chunks(width))
-            .map(|(a, b)| row_err(a, b))
-            .fold(0.0, f64::max)
-    }
-
-    struct Reference {
-        tokens: Vec<u32>,
-        prompt_len: usize,
-        vocab: usize,
-        logits: Vec<f32>,
-        mtp_logits: Vec<f32>,
-    }
-
-    fn reference(name: &str) -> Reference {
-        let bytes = std::fs::read(data().join(format!("reference/{name}.safetensors"))).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let f32s = |n: &str| -> (Vec<f32>, Vec<usize>) {
-            let t = st.tensor(n).unwrap();
-            let v = t
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            (v, t.shape().to_vec())
-        };
-        let i64s = |n: &str| -> Vec<i64> {
-            st.tensor(n)
-                .unwrap()
-                .data()
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect()
-        };
-        let (logits, shape) = f32s("logits");
-        Reference {
-            tokens: i64s("tokens").iter().map(|&t| t as u32).collect(),
-            prompt_len: i64s("prompt_len")[0] as usize,
-            vocab: shape[1],
-            logits,
-            mtp_logits: f32s("mtp_logits").0,
-        }
-    }
-
-    fn prefill(tokens: &[u32], pos: usize) -> Batch {
-        let mut b = Batch::default();
-        b.push(tokens, pos, vec![0, 1, 2, 3], false);
-        b.logits_for = (0..tokens.len()).collect();
-        b
     }
 
     /// The prompt in one pass, then 16 decode steps through the cache: every row's logits.

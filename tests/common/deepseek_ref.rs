@@ -1,0 +1,91 @@
+//! The DeepSeek-V3 fixtures of tests/data/deepseek and the error measures shared by the CPU
+//! (`tests/deepseek_v3.rs`) and CUDA (`host/tests/gpu_deepseek.rs`) tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use deepinfer::model::batch::Batch;
+use safetensors::SafeTensors;
+
+/// The fixtures: beside the sources this was built from, else under the working folder (the
+/// device machine runs packed test binaries from another checkout's root).
+pub fn data() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/deepseek");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("tests/data/deepseek")
+    }
+}
+
+/// HF transformers' fp32 outputs for one checkpoint (scripts/deepseek_v3_reference.py).
+pub struct Reference {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub vocab: usize,
+    pub hidden_dim: usize,
+    pub logits: Vec<f32>,
+    pub hidden: Vec<f32>,
+    pub mtp_logits: Vec<f32>,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let bytes = std::fs::read(data().join(format!("reference/{name}.safetensors"))).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let f32s = |n: &str| -> (Vec<f32>, Vec<usize>) {
+        let t = st.tensor(n).unwrap();
+        let v = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        (v, t.shape().to_vec())
+    };
+    let i64s = |n: &str| -> Vec<i64> {
+        let t = st.tensor(n).unwrap();
+        t.data()
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let (logits, shape) = f32s("logits");
+    let (hidden, hshape) = f32s("hidden");
+    Reference {
+        tokens: i64s("tokens").iter().map(|&t| t as u32).collect(),
+        prompt_len: i64s("prompt_len")[0] as usize,
+        vocab: shape[1],
+        hidden_dim: hshape[1],
+        logits,
+        hidden,
+        mtp_logits: f32s("mtp_logits").0,
+    }
+}
+
+/// Largest difference over the row, relative to the row's largest reference magnitude.
+pub fn row_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite values");
+    let scale = want.iter().fold(0f64, |m, &v| m.max(v.abs() as f64));
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
+    diff / scale.max(1e-30)
+}
+
+/// The largest [`row_err`] over rows of `width`.
+pub fn max_err(got: &[f32], want: &[f32], width: usize) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.chunks(width)
+        .zip(want.chunks(width))
+        .map(|(a, b)| row_err(a, b))
+        .fold(0.0, f64::max)
+}
+
+/// A prompt of one sequence (blocks 0..4) with the logits of every token.
+pub fn prefill(tokens: &[u32], pos: usize) -> Batch {
+    let mut b = Batch::default();
+    b.push(tokens, pos, vec![0, 1, 2, 3], false);
+    b.logits_for = (0..tokens.len()).collect();
+    b
+}
