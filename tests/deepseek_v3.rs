@@ -19,7 +19,7 @@ use safetensors::SafeTensors;
 #[path = "common/deepseek_ref.rs"]
 mod deepseek_ref;
 
-use deepseek_ref::{data, max_err, prefill, reference, row_err};
+use deepseek_ref::{bf16_copy, copy_fixture, data, max_err, prefill, reference, row_err};
 
 const TOL: f64 = 1e-4;
 
@@ -294,33 +294,7 @@ fn bf16_weights_load_and_stay_close() {
     // the same checkpoint with every tensor rounded to bf16: loads through the BF16 path, and
     // lands within bf16 rounding of the fp32 reference (but not on it)
     let dir = tempfile::tempdir().unwrap();
-    copy_fixture("qlora_group", dir.path());
-    let p = dir.path().join("model.safetensors");
-    let bytes = std::fs::read(&p).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, t)| {
-            let data = t
-                .data()
-                .chunks_exact(4)
-                .flat_map(|c| {
-                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                    half::bf16::from_f32(v).to_le_bytes()
-                })
-                .collect();
-            (n, t.shape().to_vec(), data)
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = converted
-        .iter()
-        .map(|(n, s, d)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), d);
-            (n.clone(), v.unwrap())
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None::<HashMap<String, String>>, &p).unwrap();
+    bf16_copy("qlora_group", dir.path());
     let m = DeepseekV3::open(dir.path(), CpuBackend::new(2)).unwrap();
     let r = reference("qlora_group");
     let mut kv = m.new_kv(4, 16).unwrap();
@@ -331,13 +305,6 @@ fn bf16_weights_load_and_stay_close() {
 }
 
 // ---- bad input -------------------------------------------------------------------------------
-
-fn copy_fixture(name: &str, to: &Path) {
-    for e in std::fs::read_dir(data().join(name)).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");

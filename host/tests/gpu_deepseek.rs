@@ -22,8 +22,7 @@ mod gpu {
     use deepinfer::model::CausalLm;
     use deepinfer::tensor::Weight;
 
-    use super::deepseek_ref::{data, max_err, prefill, reference, row_err, Reference};
-    use safetensors::SafeTensors;
+    use super::deepseek_ref::{bf16_copy, data, max_err, prefill, reference, row_err, Reference};
 
     fn cuda(act: Option<Act>) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
@@ -102,42 +101,7 @@ mod gpu {
     fn bf16_copy_runs_bf16_on_the_device_and_stays_close() {
         // every tensor rounded to bf16: bf16 activations and a bf16 latent cache on CUDA
         let dir = tempfile::tempdir().unwrap();
-        for e in std::fs::read_dir(data().join("qlora_group")).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-        }
-        let p = dir.path().join("model.safetensors");
-        let bytes = std::fs::read(&p).unwrap();
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
-            .tensors()
-            .into_iter()
-            .map(|(n, t)| {
-                let data = t
-                    .data()
-                    .chunks_exact(4)
-                    .flat_map(|c| {
-                        half::bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                            .to_le_bytes()
-                    })
-                    .collect();
-                (n, t.shape().to_vec(), data)
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = converted
-            .iter()
-            .map(|(n, s, d)| {
-                let v =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), d);
-                (n.clone(), v.unwrap())
-            })
-            .collect();
-        safetensors::serialize_to_file(
-            views,
-            None::<std::collections::HashMap<String, String>>,
-            &p,
-        )
-        .unwrap();
+        bf16_copy("qlora_group", dir.path());
         check_checkpoint(dir.path(), "qlora_group", None, 5e-2, 6e-2);
     }
 

@@ -89,3 +89,44 @@ pub fn prefill(tokens: &[u32], pos: usize) -> Batch {
     b.logits_for = (0..tokens.len()).collect();
     b
 }
+
+/// Copies checkpoint `name` into `to`.
+pub fn copy_fixture(name: &str, to: &Path) {
+    for e in std::fs::read_dir(data().join(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Copies checkpoint `name` into `to` with every tensor of its fp32 `model.safetensors`
+/// rounded to bf16.
+pub fn bf16_copy(name: &str, to: &Path) {
+    copy_fixture(name, to);
+    let p = to.join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            let data = t
+                .data()
+                .chunks_exact(4)
+                .flat_map(|c| {
+                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    half::bf16::from_f32(v).to_le_bytes()
+                })
+                .collect();
+            (n, t.shape().to_vec(), data)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = converted
+        .iter()
+        .map(|(n, s, d)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), d);
+            (n.clone(), v.unwrap())
+        })
+        .collect();
+    let meta: Option<std::collections::HashMap<String, String>> = None;
+    safetensors::serialize_to_file(views, meta, &p).unwrap();
+}
