@@ -19,7 +19,9 @@ use safetensors::SafeTensors;
 #[path = "common/deepseek_ref.rs"]
 mod deepseek_ref;
 
-use deepseek_ref::{bf16_copy, copy_fixture, data, max_err, prefill, reference, row_err};
+use deepseek_ref::{
+    bf16_copy, copy_fixture, data, max_err, mtp_against_reference, prefill, reference, row_err,
+};
 
 const TOL: f64 = 1e-4;
 
@@ -93,32 +95,10 @@ fn mtp_layer_matches_hf() {
         let m = model(name);
         assert_eq!(m.num_mtp_layers(), 1);
         let r = reference(name);
-        let (n, d) = (r.tokens.len(), r.hidden_dim);
+        let d = r.hidden_dim;
         let mut kv = m.new_kv(4, 16).unwrap();
-        let (_, hidden) = m
-            .forward_with_hidden(&prefill(&r.tokens, 0), &mut kv)
-            .unwrap();
+        let (hidden, err) = mtp_against_reference(&m, &r, &mut kv);
         let herr = max_err(&hidden, &r.hidden, d);
-        // the MTP input at position i: token i+1 with the main model's hidden state i; prefill
-        // the first 15 positions, then one position at a time through the MTP layer's cache
-        let split = 15;
-        let (logits, _) = m
-            .mtp_forward(
-                0,
-                &prefill(&r.tokens[1..=split], 0),
-                &hidden[..split * d],
-                &mut kv,
-            )
-            .unwrap();
-        let mut err = max_err(&logits, &r.mtp_logits[..split * r.vocab], r.vocab);
-        for i in split..n - 1 {
-            let mut b = Batch::default();
-            b.push(&r.tokens[i + 1..i + 2], i, vec![0, 1, 2, 3], true);
-            let (l, _) = m
-                .mtp_forward(0, &b, &hidden[i * d..(i + 1) * d], &mut kv)
-                .unwrap();
-            err = err.max(row_err(&l, &r.mtp_logits[i * r.vocab..(i + 1) * r.vocab]));
-        }
         eprintln!("{name}: hidden max rel err {herr:.2e}, MTP logits {err:.2e}");
         assert!(
             herr < TOL && err < TOL,

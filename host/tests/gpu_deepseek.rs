@@ -9,6 +9,11 @@
 mod deepseek_ref;
 
 #[cfg(feature = "cuda")]
+#[allow(dead_code)]
+#[path = "gpu/util.rs"]
+mod util;
+
+#[cfg(feature = "cuda")]
 mod gpu {
     use std::path::Path;
 
@@ -22,7 +27,10 @@ mod gpu {
     use deepinfer::model::CausalLm;
     use deepinfer::tensor::Weight;
 
-    use super::deepseek_ref::{bf16_copy, data, max_err, prefill, reference, row_err, Reference};
+    use super::deepseek_ref::{
+        bf16_copy, data, max_err, mtp_against_reference, prefill, reference, Reference,
+    };
+    use super::util::Rng;
 
     fn cuda(act: Option<Act>) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
@@ -146,61 +154,12 @@ mod gpu {
         let m = DeepseekV3::open(&data().join(name), be).unwrap();
         let r = reference(name);
         let mut kv = m.new_kv(4, 16).unwrap();
-        let (_, hidden) = m
-            .forward_with_hidden(&prefill(&r.tokens, 0), &mut kv)
-            .unwrap();
-        let d = hidden.len() / r.tokens.len();
-        let split = 15;
-        let (logits, _) = m
-            .mtp_forward(
-                0,
-                &prefill(&r.tokens[1..=split], 0),
-                &hidden[..split * d],
-                &mut kv,
-            )
-            .unwrap();
-        let mut err = max_err(&logits, &r.mtp_logits[..split * r.vocab], r.vocab);
-        for i in split..r.tokens.len() - 1 {
-            let mut b = Batch::default();
-            b.push(&r.tokens[i + 1..i + 2], i, vec![0, 1, 2, 3], true);
-            let (l, _) = m
-                .mtp_forward(0, &b, &hidden[i * d..(i + 1) * d], &mut kv)
-                .unwrap();
-            err = err.max(row_err(&l, &r.mtp_logits[i * r.vocab..(i + 1) * r.vocab]));
-        }
+        let (_, err) = mtp_against_reference(&m, &r, &mut kv);
         eprintln!("{name}: CUDA MTP logits vs HF {err:.2e}");
         assert!(err < 2e-4, "MTP on CUDA: {err:e}");
     }
 
     // ---- operations on fresh random inputs ------------------------------------------------
-
-    struct Rng(u64);
-
-    impl Rng {
-        fn fresh(test: &str) -> Rng {
-            let seed = std::env::var("DEEPINFER_TEST_SEED")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or_else(|| {
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(1, |d| d.as_nanos() as u64)
-                });
-            eprintln!("{test}: DEEPINFER_TEST_SEED={seed}");
-            Rng(seed | 1)
-        }
-
-        fn f32(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        }
-
-        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-            (0..n).map(|_| self.f32() * scale).collect()
-        }
-    }
 
     struct MlaCase {
         p: MlaParams,
@@ -263,20 +222,25 @@ mod gpu {
         }
     }
 
+    /// The case's kv_a norm, kv_b and rotary frequencies prepared for `be`.
+    fn prepare_mla<B: Backend>(be: &B, c: &MlaCase) -> [B::Weight; 3] {
+        [&c.kv_a_norm, &c.kv_b, &c.inv_freq].map(|w| be.prepare_weight(w).unwrap())
+    }
+
+    fn mla_weights<W>(w: &[W; 3]) -> MlaWeights<'_, W> {
+        MlaWeights {
+            kv_a_norm: &w[0],
+            kv_b: &w[1],
+            inv_freq: &w[2],
+        }
+    }
+
     /// Runs the case's steps on `be`; returns each step's output.
     fn run_mla<B: Backend>(be: &B, c: &MlaCase, path: MlaPath) -> Vec<Vec<f32>> {
         let d = c.p.dims;
         let mut kv = be.new_mla_kv(2, 64, 8, d.latent + d.rope).unwrap();
-        let (na, kb, fr) = (
-            be.prepare_weight(&c.kv_a_norm).unwrap(),
-            be.prepare_weight(&c.kv_b).unwrap(),
-            be.prepare_weight(&c.inv_freq).unwrap(),
-        );
-        let w = MlaWeights {
-            kv_a_norm: &na,
-            kv_b: &kb,
-            inv_freq: &fr,
-        };
+        let prepared = prepare_mla(be, c);
+        let w = mla_weights(&prepared);
         let p = MlaParams { path, ..c.p };
         c.steps
             .iter()
@@ -319,16 +283,8 @@ mod gpu {
             let c = mla_case(&mut rng, 3, 16);
             let d = c.p.dims;
             let mut kv = be.new_mla_kv(1, 64, 8, d.latent + d.rope).unwrap();
-            let (na, kb, fr) = (
-                be.prepare_weight(&c.kv_a_norm).unwrap(),
-                be.prepare_weight(&c.kv_b).unwrap(),
-                be.prepare_weight(&c.inv_freq).unwrap(),
-            );
-            let w = MlaWeights {
-                kv_a_norm: &na,
-                kv_b: &kb,
-                inv_freq: &fr,
-            };
+            let prepared = prepare_mla(&be, &c);
+            let w = mla_weights(&prepared);
             let (b, q, kva) = &c.steps[0];
             let mut step = be.prepare_step(b, 8).unwrap();
             let mut qb = be.upload(q).unwrap();

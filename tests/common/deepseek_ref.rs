@@ -4,7 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
+use deepinfer::backend::Backend;
+use deepinfer::model::arch::deepseek_v3::DeepseekV3;
 use deepinfer::model::batch::Batch;
+use deepinfer::model::KvCache;
 use safetensors::SafeTensors;
 
 /// The fixtures: beside the sources this was built from, else under the working folder (the
@@ -88,6 +91,38 @@ pub fn prefill(tokens: &[u32], pos: usize) -> Batch {
     b.push(tokens, pos, vec![0, 1, 2, 3], false);
     b.logits_for = (0..tokens.len()).collect();
     b
+}
+
+/// The MTP layer over the reference: the main model's final-norm hidden states of the whole
+/// sequence, then the MTP input at position i (token i+1 with hidden state i) — the first 15
+/// positions as one prefill, then one position at a time through the MTP layer's cache.
+/// Returns the hidden states and the MTP logits' largest row error against HF.
+pub fn mtp_against_reference<B: Backend>(
+    m: &DeepseekV3<B>,
+    r: &Reference,
+    kv: &mut KvCache,
+) -> (Vec<f32>, f64) {
+    let (_, hidden) = m.forward_with_hidden(&prefill(&r.tokens, 0), kv).unwrap();
+    let d = r.hidden_dim;
+    let split = 15;
+    let (logits, _) = m
+        .mtp_forward(
+            0,
+            &prefill(&r.tokens[1..=split], 0),
+            &hidden[..split * d],
+            kv,
+        )
+        .unwrap();
+    let mut err = max_err(&logits, &r.mtp_logits[..split * r.vocab], r.vocab);
+    for i in split..r.tokens.len() - 1 {
+        let mut b = Batch::default();
+        b.push(&r.tokens[i + 1..i + 2], i, vec![0, 1, 2, 3], true);
+        let (l, _) = m
+            .mtp_forward(0, &b, &hidden[i * d..(i + 1) * d], kv)
+            .unwrap();
+        err = err.max(row_err(&l, &r.mtp_logits[i * r.vocab..(i + 1) * r.vocab]));
+    }
+    (hidden, err)
 }
 
 /// Copies checkpoint `name` into `to`.

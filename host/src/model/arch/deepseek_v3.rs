@@ -421,8 +421,10 @@ impl<B: Backend> DeepseekV3<B> {
         Ok(logits)
     }
 
-    /// Runs the main layers over `batch`; the logits of `batch.logits_for` stay on the backend.
-    fn main_logits(&self, batch: &Batch, kv: &mut KvCache) -> Result<B::Buf> {
+    /// Runs the main layers over `batch`: the residual stream after the last layer, and the
+    /// step, which the caller keeps alive while it makes the step's remaining buffers (on
+    /// CUDA a padded decode step pads every buffer made while it lives).
+    fn layers(&self, batch: &Batch, kv: &mut KvCache) -> Result<(B::Buf, B::Step)> {
         let be = &self.backend;
         let (n, d) = (batch.n_tokens(), self.cfg.hidden);
         let mut step = be.prepare_step(batch, kv.block_size())?;
@@ -432,6 +434,12 @@ impl<B: Backend> DeepseekV3<B> {
         for (i, b) in self.blocks.iter().enumerate() {
             self.block(b, i, &mut x, batch, &mut step, kv)?;
         }
+        Ok((x, step))
+    }
+
+    /// Runs the main layers over `batch`; the logits of `batch.logits_for` stay on the backend.
+    fn main_logits(&self, batch: &Batch, kv: &mut KvCache) -> Result<B::Buf> {
+        let (x, _step) = self.layers(batch, kv)?;
         self.logits(&x, &self.norm, &batch.logits_for)
     }
 
@@ -444,13 +452,7 @@ impl<B: Backend> DeepseekV3<B> {
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let be = &self.backend;
         let (n, d) = (batch.n_tokens(), self.cfg.hidden);
-        let mut step = be.prepare_step(batch, kv.block_size())?;
-        let kv = kv.get_mut::<B::MlaKv>()?;
-        let mut x = be.zeros(n * d)?;
-        be.embed(&self.embed, &batch.tokens, &mut x)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            self.block(b, i, &mut x, batch, &mut step, kv)?;
-        }
+        let (x, _step) = self.layers(batch, kv)?;
         let mut normed = be.zeros(n * d)?;
         be.rms_norm(&x, &self.norm, self.cfg.rms_eps, &mut normed)?;
         let logits = self.logits(&x, &self.norm, &batch.logits_for)?;
