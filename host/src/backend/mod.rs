@@ -247,24 +247,17 @@ pub mod select {
         }
     }
 
-    /// See [`super::Backend::top_k_rows`].
+    /// See [`super::Backend::top_k_rows`]: one pass over each row that keeps only contenders
+    /// (`sampling::top_k_into`, the samplers' own selection: NaN counts as -inf).
     pub fn top_k_rows(x: &[f32], width: usize, k: usize) -> Vec<Vec<(u32, f32)>> {
         if width == 0 {
             return Vec::new();
         }
+        let mut top = Vec::new();
         x.chunks_exact(width)
             .map(|r| {
-                let mut idx: Vec<u32> = (0..r.len() as u32).collect();
-                idx.sort_by(|&a, &b| {
-                    let (va, vb) = (r[a as usize], r[b as usize]);
-                    vb.partial_cmp(&va)
-                        .unwrap_or(std::cmp::Ordering::Equal)
-                        .then(a.cmp(&b))
-                });
-                idx.into_iter()
-                    .take(k)
-                    .map(|i| (i, r[i as usize]))
-                    .collect()
+                crate::sampling::top_k_into(r, k, &mut top);
+                top.iter().map(|c| (c.id, c.logit)).collect()
             })
             .collect()
     }

@@ -101,7 +101,7 @@ impl Logits {
                     full.chunks_exact(vocab)
                         .map(|r| {
                             let mut top = Vec::new();
-                            crate::plugins::candidates::top_k_into(r, k, &mut top);
+                            crate::sampling::top_k_into(r, k, &mut top);
                             top
                         })
                         .collect(),
@@ -303,6 +303,13 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(top.rows(vocab), 2);
+        // The backends' host fallback selects the same way.
+        let host_rows = crate::backend::select::top_k_rows(&full, vocab, 3);
+        let host_ids: Vec<Vec<u32>> = host_rows
+            .iter()
+            .map(|r| r.iter().map(|p| p.0).collect())
+            .collect();
+        assert_eq!(host_ids, vec![vec![1, 3, 5], vec![2, 4, 1]]);
         let arg = Logits::select(full.clone(), vocab, LogitsWant::Argmax).unwrap();
         assert_eq!(arg, Logits::Argmax(vec![1, 2]));
         let back = Logits::select(full.clone(), vocab, LogitsWant::Full).unwrap();

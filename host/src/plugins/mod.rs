@@ -12,7 +12,6 @@ mod abi;
 mod bindings;
 mod builtin;
 mod cache;
-pub(crate) mod candidates;
 mod constraint;
 mod engine;
 mod limits;
@@ -23,9 +22,9 @@ mod source;
 
 use std::sync::Arc;
 
+pub use crate::sampling::top_k_into;
 pub use abi::{inspect as inspect_component, AbiVersion, PluginKind, Summary, SUPPORTED};
 pub use cache::{sha256_hex, CacheDir};
-pub use candidates::top_k_into;
 pub use constraint::{ConstraintManifest, ConstraintVocab, Matcher, WasmConstraint};
 pub use engine::PluginEngine;
 pub use limits::{PluginLimits, MAX_WASM_STACK};

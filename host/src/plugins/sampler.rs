@@ -11,13 +11,12 @@ use wasmtime::Store;
 use super::abi::{AbiVersion, PluginKind};
 use super::bindings::v0_1::sampler::exports::deepinfer::plugin::sampler_api as api;
 use super::bindings::v0_1::sampler::{Sampler as SamplerWorld, SamplerPre};
-use super::candidates::top_k_into;
 use super::engine::PluginEngine;
 use super::limits::{PluginLimits, PluginState};
 use super::source::{Origin, PluginSource};
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
-use crate::sampling::{BatchSampler, Candidate, SampleRow, SamplingParams};
+use crate::sampling::{top_k_into, BatchSampler, Candidate, SampleRow, SamplingParams};
 
 /// Candidates per row when the manifest says 0.
 pub const DEFAULT_TOP_K: u32 = 256;

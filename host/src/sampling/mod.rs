@@ -1,9 +1,11 @@
 //! Sampling parameters of a request and the native sampler. The Wasm sampler plugins receive
 //! the same parameters; the native path stays as the benchmark's comparison.
 
+mod candidates;
 mod native;
 mod params;
 
+pub use candidates::top_k_into;
 pub use native::{apply_penalties, sample_native, top_k_candidates, uniform, Candidate};
 pub use params::SamplingParams;
 
