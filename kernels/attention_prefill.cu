@@ -388,3 +388,245 @@ PREFILL_WRAPPER(float, f32, 64)
 PREFILL_WRAPPER(float, f32, 128)
 PREFILL_WRAPPER(bf16_t, bf16, 64)
 PREFILL_WRAPPER(bf16_t, bf16, 128)
+
+// ---------------------------------------------------------------------------------------------
+// Wide variant: a block of 8 warps takes 128 query tokens of one sequence for one query head
+// (16 rows per warp) and walks the keys in tiles of 64 through a ring of `STAGES` cp.async
+// buffers, one barrier per tile: at the top of tile `it` every warp has finished tile `it-1`,
+// so its buffer is refilled with tile `it + STAGES - 1` while `it` is multiplied. Only tiles
+// that cross a warp's diagonal (or its window's edge) are masked; a warp skips tiles that lie
+// wholly past its rows. Scores stay raw until the exponent (p = 2^(s * scale * log2e - m), one
+// FFMA and one MUFU.EX2 each), and O is rescaled only when some row's maximum moved.
+//
+// Work items: the engine's 64-query list (`tiles`, PREFILL_TILE in step.rs); a block takes
+// the item of its y index counted from the last (longest causal rows first) and its successor,
+// and blocks whose item starts at an odd multiple of 64 leave at once. x is the query head, so
+// the heads sharing a KV head run side by side and read its tiles from L2.
+// QREG: Q fragments held in registers for the whole walk (else reloaded from shared memory
+// per tile, fewer registers so two blocks fit an SM).
+#define FW_BM 128
+#define FW_BN 64
+#define FW_THREADS 256
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void store2(float* p, long i, float a, float b) {
+    *reinterpret_cast<float2*>(p + i) = make_float2(a, b);
+}
+__device__ __forceinline__ void store2(bf16_t* p, long i, float a, float b) {
+    *reinterpret_cast<u32*>(p + i) = pack_bf16x2(a, b);
+}
+
+template <typename T, int D, bool QREG, int STAGES>
+__device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
+                                       int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
+                                       const int* tables, int table_width, int n_heads, int n_kv_heads,
+                                       int block_size, float scale_log2, int window) {
+    constexpr int CH = D / 8;
+    constexpr int STAGE = 2 * FW_BN * D;  // K then V
+    extern __shared__ __align__(16) bf16_t smem[];
+    bf16_t* sq = smem;
+    bf16_t* skv = smem + FW_BM * D;
+
+    const int tile = n_tiles - 1 - blockIdx.y;
+    const int si = tiles[2 * tile], q0 = tiles[2 * tile + 1];
+    if (q0 % FW_BM != 0) return;
+    const int h = blockIdx.x;
+    const int g = h / (n_heads / n_kv_heads);
+    const int start = seq_start[si], len = seq_len[si], pos = seq_pos[si];
+    const int qn = min(FW_BM, len - q0);
+    const int* table = tables + (long)si * table_width;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int qfirst = pos + q0, qlast = pos + q0 + qn - 1;
+    int kstart = window > 0 ? max(0, qfirst + 1 - window) : 0;
+    kstart = kstart / FW_BN * FW_BN;
+    const int n_kt = (qlast - kstart) / FW_BN + 1;
+
+    auto issue = [&](int it) {
+        if (it < n_kt) {
+            const int kt = kstart + it * FW_BN;
+            bf16_t* sk = skv + (it % STAGES) * STAGE;
+            bf16_t* sv = sk + FW_BN * D;
+#pragma unroll
+            for (int e = tid; e < FW_BN * CH; e += FW_THREADS) {
+                const int r = e / CH, c = e % CH;
+                const int j = kt + r;
+                const bool ok = j <= qlast;
+                long off = 0;
+                if (ok) {
+                    const long slot = (long)table[j / block_size] * block_size + j % block_size;
+                    off = (slot * n_kv_heads + g) * D + c * 8;
+                }
+                cp_async16(&sk[swz<D>(r, c * 8)], kc + off, ok);
+                cp_async16(&sv[swz<D>(r, c * 8)], vc + off, ok);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) issue(s);
+    for (int e = tid; e < FW_BM * CH; e += FW_THREADS) {
+        const int r = e / CH, c = e % CH;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
+        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
+    }
+    u32 qf[QREG ? D / 16 : 1][4];
+    if (QREG) {
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < (QREG ? D / 16 : 0); kk++) {
+            ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
+                    &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+        }
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
+    const int qrow0 = qfirst + warp * 16 + (lane >> 2);  // position of this thread's first row
+    // This warp's rows (positions); a warp wholly past the sequence's queries only keeps step.
+    const int wfirst = qfirst + warp * 16, wlast = min(wfirst + 15, qlast);
+    const bool active = warp * 16 < qn;
+
+    for (int it = 0; it < n_kt; it++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+        __syncthreads();
+        issue(it + STAGES - 1);
+        const int kt = kstart + it * FW_BN;
+        const bf16_t* sk = skv + (it % STAGES) * STAGE;
+        const bf16_t* sv = sk + FW_BN * D;
+        const bool skip = kt > wlast || (window > 0 && kt + FW_BN - 1 <= wfirst - window);
+        if (!active || skip) continue;
+        const bool masked = kt + FW_BN - 1 > wfirst || (window > 0 && kt <= wlast - window);
+
+        float s[FW_BN / 8][4];
+#pragma unroll
+        for (int i = 0; i < FW_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            u32 a[4];
+            if (QREG) {
+                a[0] = qf[QREG ? kk : 0][0];
+                a[1] = qf[QREG ? kk : 0][1];
+                a[2] = qf[QREG ? kk : 0][2];
+                a[3] = qf[QREG ? kk : 0][3];
+            } else {
+                ldsm_x4(a[0], a[1], a[2], a[3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+            }
+#pragma unroll
+            for (int np = 0; np < FW_BN / 16; np++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b0, b1, b2, b3,
+                        &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
+                mma_bf16_16816(s[2 * np], a, b0, b1);
+                mma_bf16_16816(s[2 * np + 1], a, b2, b3);
+            }
+        }
+        if (masked) {
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const int qp = qrow0 + (e >> 1) * 8;
+                    const bool ok = key <= qp && (window <= 0 || key > qp - window);
+                    if (!ok) s[nt][e] = NEG_INF;
+                }
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int rh = 0; rh < 2; rh++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(mrow[rh], mx * scale_log2);
+            const float muse = mnew == NEG_INF ? 0.0f : mnew;
+            corr[rh] = fast_exp2(mrow[rh] - muse);
+            mrow[rh] = mnew;
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) {
+                const float p0 = fast_exp2(fmaf(s[nt][2 * rh], scale_log2, -muse));
+                const float p1 = fast_exp2(fmaf(s[nt][2 * rh + 1], scale_log2, -muse));
+                s[nt][2 * rh] = p0;
+                s[nt][2 * rh + 1] = p1;
+                rs += p0 + p1;
+            }
+            lrow[rh] = lrow[rh] * corr[rh] + rs;
+        }
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                o[dt][0] *= corr[0];
+                o[dt][1] *= corr[0];
+                o[dt][2] *= corr[1];
+                o[dt][3] *= corr[1];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FW_BN / 16; kk++) {
+            u32 a[4];
+            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_t(b0, b1, b2, b3,
+                          &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
+                mma_bf16_16816(o[2 * dp], a, b0, b1);
+                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;");
+
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+        float l = lrow[rh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = warp * 16 + (lane >> 2) + rh * 8;
+        if (row < qn) {
+            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                store2(out, base + dt * 8 + 2 * (lane & 3), o[dt][2 * rh] * inv, o[dt][2 * rh + 1] * inv);
+            }
+        }
+    }
+}
+
+// attn_prefill3: Q in registers, 3 stages, one block per SM. attn_prefill4: Q from shared
+// memory, 2 stages, two blocks per SM.
+#define PREFILL_WIDE_WRAPPER(NAME, QREG, STAGES, MINB, T, S, D)                                                    \
+    extern "C" __global__ void __launch_bounds__(FW_THREADS, MINB) NAME##_d##D##_##S(                            \
+        T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
+        const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
+        int block_size, float scale_log2, int window) {                                                            \
+        PDL_ENTRY();                                                                                               \
+        attn_prefill_wide_impl<T, D, QREG, STAGES>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos,     \
+                                                   tables, table_width, n_heads, n_kv_heads, block_size,            \
+                                                   scale_log2, window);                                             \
+    }
+
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, bf16_t, bf16, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, bf16_t, bf16, 128)

@@ -1,10 +1,12 @@
 //! Rotary embeddings and paged attention through the same trait calls on the CPU and CUDA
 //! backends: scattered block tables, grouped-query heads (groups of 1 to 16), sliding windows,
 //! several sequences per step, prefill (the tensor-core kernel), chunked prefill mixed with
-//! decode, and split-KV decode over long contexts.
+//! decode, and split-KV decode over long contexts; every prefill kernel on odd shapes
+//! (query counts off the 64/128-row tiles, prefixes already cached, GQA groups of 1, 4 and 8),
+//! and a timing of them at Llama-3-8B's shape (ignored by default).
 
 use deepinfer::backend::cpu::CpuBackend;
-use deepinfer::backend::cuda::Act;
+use deepinfer::backend::cuda::{Act, CudaBackend, CudaOptions, PrefillKernel};
 use deepinfer::backend::{AttnParams, Backend, KvShape};
 use deepinfer::model::batch::Batch;
 use deepinfer::model::hparams::{RopeSpec, RopeStyle};
@@ -300,6 +302,170 @@ fn rope_and_kv_write_fold_into_one_launch() {
             // attention test above; the rotated q and k are plain f32 arithmetic.
             let t = if i % 3 == 0 { 1e-2 } else { 1e-4 };
             assert_close(&what, g, w, tol(act, t));
+        }
+    }
+}
+
+const PREFILL_KERNELS: [PrefillKernel; 4] = [
+    PrefillKernel::Plain,
+    PrefillKernel::Pipelined,
+    PrefillKernel::Wide,
+    PrefillKernel::WideShared,
+];
+
+/// The CUDA backend with activations `act` and prefill kernel `k`, or `None` (skip printed).
+fn backend_with(act: Act, k: PrefillKernel) -> Option<CudaBackend> {
+    if let Some(why) = deepinfer::backend::cuda::unavailable_reason() {
+        eprintln!("skipped: {why}");
+        return None;
+    }
+    let opts = CudaOptions {
+        act: Some(act),
+        prefill: k,
+        ..CudaOptions::from_env().expect("CUDA options")
+    };
+    Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
+}
+
+/// Every prefill kernel against the CPU backend: three sequences whose prompts arrive in
+/// chunks (later chunks start mid-context, on and off the 64-key tiles and the cache blocks),
+/// query counts that are no multiple of 64 or 128, a decode row inside a prefill step, GQA
+/// groups of 1, 4 and 8, head dims 64 and 128, with and without a sliding window.
+#[test]
+fn prefill_kernels_match_the_cpu_backend_on_odd_shapes() {
+    let mut rng = Rng::fresh("prefill_kernels");
+    let cpu = CpuBackend::new(2);
+    // (heads, kv heads, head dim, window, block size)
+    let shapes = [
+        (4usize, 4usize, 64usize, None, 16usize),
+        (16, 4, 128, None, 16),
+        (16, 2, 128, None, 32),
+        (8, 1, 64, Some(45), 8),
+        (8, 2, 128, Some(130), 16),
+    ];
+    let plan: Plan = vec![
+        vec![(0, 150), (0, 37), (0, 300)],
+        vec![(150, 200), (37, 129), (300, 1)],
+        vec![(350, 9), (166, 256), (301, 77)],
+    ];
+    for &(h, kvh, hd, window, bs) in &shapes {
+        let p = AttnParams {
+            n_heads: h,
+            n_kv_heads: kvh,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window,
+        };
+        let per_seq = 440usize.div_ceil(bs);
+        let mut ids: Vec<u32> = (0..(3 * per_seq) as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.below(i + 1));
+        }
+        let tables: Vec<Vec<u32>> = ids.chunks(per_seq).map(|c| c.to_vec()).collect();
+        let data: Vec<Vec<f32>> = plan
+            .iter()
+            .map(|s| {
+                let n: usize = s.iter().map(|x| x.1).sum();
+                rng.vec(n * (h + 2 * kvh) * hd, 2.0)
+            })
+            .collect();
+        let want = run(&cpu, &p, bs, &tables, &plan, &data);
+        for act in [Act::F32, Act::Bf16] {
+            for k in PREFILL_KERNELS {
+                let Some(be) = backend_with(act, k) else {
+                    return;
+                };
+                let got = run(&be, &p, bs, &tables, &plan, &data);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_close(
+                        &format!("{k:?} {act:?} h={h} kv={kvh} d={hd} window={window:?} bs={bs} step {i}"),
+                        g,
+                        w,
+                        tol(act, 1e-2),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Device time of each prefill kernel on one prompt at Llama-3-8B's attention shape (32 query
+/// heads, 8 KV heads, head dim 128, bf16), with each output against the double-buffered
+/// kernel's. `DEEPINFER_PREFILL_LENS` (comma-separated, default 8192,2048) sets the lengths.
+#[test]
+#[ignore = "timing; run on the device with --ignored"]
+fn prefill_kernel_speed_at_llama3_8b_shape() {
+    let mut rng = Rng::fresh("prefill_speed");
+    let p = AttnParams {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        scale: 1.0 / (128f32).sqrt(),
+        window: None,
+    };
+    let lens: Vec<usize> = std::env::var("DEEPINFER_PREFILL_LENS")
+        .unwrap_or_else(|_| "8192,2048".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let bs = 16;
+    for n in lens {
+        let (qw, kw) = (p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim);
+        let data = rng.vec(n * (qw + 2 * kw), 2.0);
+        let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
+        let flop = 4.0 * (p.n_heads * p.head_dim) as f64 * (n as f64) * (n as f64 + 1.0) / 2.0;
+        let mut base: Option<Vec<f32>> = None;
+        for k in [
+            PrefillKernel::Pipelined,
+            PrefillKernel::Plain,
+            PrefillKernel::Wide,
+            PrefillKernel::WideShared,
+        ] {
+            let Some(be) = backend_with(Act::Bf16, k) else {
+                return;
+            };
+            be.set_timing(true);
+            let mut kv = be
+                .new_kv(KvShape {
+                    layers: 1,
+                    num_blocks: table.len(),
+                    block_size: bs,
+                    kv_heads: p.n_kv_heads,
+                    head_dim: p.head_dim,
+                })
+                .unwrap();
+            let mut b = Batch::default();
+            b.push(&vec![0; n], 0, table.clone(), true);
+            let st = be.prepare_step(&b, bs).unwrap();
+            let q = upload(&be, n, qw, &data[..n * qw]);
+            let kb = upload(&be, n, kw, &data[n * qw..n * (qw + kw)]);
+            let vb = upload(&be, n, kw, &data[n * (qw + kw)..]);
+            let mut out = be.zeros(n * qw).unwrap();
+            be.synchronize().unwrap();
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let t0 = be.stats().device_s;
+                be.attention(&st, &mut kv, 0, &p, &q, &kb, &vb, &mut out)
+                    .unwrap();
+                be.synchronize().unwrap();
+                times.push(be.stats().device_s - t0);
+            }
+            times.sort_by(f64::total_cmp);
+            let t = times[times.len() / 2];
+            let got = be.to_host(&out).unwrap();
+            let err = base.as_ref().map_or(0.0, |w| super::util::rel_err(&got, w));
+            eprintln!(
+                "prefill attention n={n} {k:?}: {:.3} ms ({:.1} TFLOP/s), vs Pipelined {err:.2e}",
+                t * 1e3,
+                flop / t / 1e12
+            );
+            assert!(
+                err < 1e-2,
+                "{k:?} n={n}: differs from the double-buffered kernel by {err:.2e}"
+            );
+            if base.is_none() {
+                base = Some(got);
+            }
         }
     }
 }

@@ -102,18 +102,11 @@ pub(crate) fn attention(
     let scale_log2 = (p.scale * std::f32::consts::LOG2_E).to_bits() as u64;
     let window = p.window.unwrap_or(0) as u64;
     if let (true, Some(pi)) = (step.max_len > DECODE_MAX_LEN, prefill_index(p.head_dim)) {
-        let (kernel, smem) = if inner.opts.prefill_pipelined {
-            (
-                kern.attn_prefill2[pi],
-                super::module::prefill2_smem(p.head_dim) as u32,
-            )
-        } else {
-            (kern.attn_prefill[pi], 0)
-        };
+        let (kernel, smem, grid, block) = prefill_kernel(inner, kern, pi, step.n_tiles, p);
         inner.push(Op::Launch {
             kernel,
-            grid: [step.n_tiles as u32, p.n_heads as u32, 1],
-            block: 128,
+            grid,
+            block,
             smem,
             args: vec![
                 out.ptr(),
@@ -206,6 +199,42 @@ pub(crate) fn attention(
         });
     }
     Ok(())
+}
+
+// The wide kernels (`FW_BM` = 128) take two of the step's 64-query work items a block.
+const _: () = assert!(super::step::PREFILL_TILE * 2 == 128);
+
+/// The prefill kernel to launch for head-dim index `pi`, its dynamic shared memory and grid.
+/// The wide kernels (128 queries a block, 256 threads) take the query head as x and the
+/// 64-query work item as y; the others the item as x, the head as y (128 threads). The wide
+/// ones fall back to the double-buffered kernel where they cannot run: more work items than a
+/// grid's y holds, the device's shared memory short, or a scale that is not positive (they
+/// take the row maximum before scaling).
+fn prefill_kernel(
+    inner: &Inner,
+    kern: &super::module::ActKernels,
+    pi: usize,
+    n_tiles: usize,
+    p: &AttnParams,
+) -> (super::module::KernelId, u32, [u32; 3], u32) {
+    use super::module::{prefill2_smem, prefill_wide_smem};
+    use super::PrefillKernel;
+    let d = p.head_dim;
+    let narrow = [n_tiles as u32, p.n_heads as u32, 1];
+    let variant = match inner.opts.prefill {
+        PrefillKernel::Plain => return (kern.attn_prefill[pi], 0, narrow, 128),
+        PrefillKernel::Pipelined => None,
+        PrefillKernel::Wide => Some(0),
+        PrefillKernel::WideShared => Some(1),
+    };
+    if let Some(v) = variant {
+        let smem = prefill_wide_smem(v, d);
+        if n_tiles <= 65_535 && smem <= inner.module.max_smem && p.scale > 0.0 {
+            let grid = [p.n_heads as u32, n_tiles as u32, 1];
+            return (kern.attn_prefill_wide[v][pi], smem as u32, grid, 256);
+        }
+    }
+    (kern.attn_prefill2[pi], prefill2_smem(d) as u32, narrow, 128)
 }
 
 /// Replaces the RoPE launches of `q` and then `k` just queued (same table and head size, the

@@ -58,6 +58,22 @@ impl Act {
     }
 }
 
+/// The prefill attention kernel (`kernels/attention_prefill.cu`); all take the same work
+/// items and give the same results up to rounding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// `attn_prefill`: 64 queries per block of 4 warps, plain loads.
+    Plain,
+    /// `attn_prefill2`: 64 queries per block, K/V tiles double-buffered with cp.async.
+    Pipelined,
+    /// `attn_prefill3`: 128 queries per block of 8 warps, Q in registers, three K/V stages,
+    /// masks only on diagonal tiles. Falls back to `Pipelined` where the device lacks the
+    /// shared memory or the step has more than 65,535 work items.
+    Wide,
+    /// `attn_prefill4`: as `Wide` with Q in shared memory and two stages (two blocks per SM).
+    WideShared,
+}
+
 /// Backend settings, resolved once at construction.
 #[derive(Debug, Clone)]
 pub struct CudaOptions {
@@ -67,8 +83,8 @@ pub struct CudaOptions {
     pub graphs: bool,
     /// Fuse neighbouring operations in the queue.
     pub fuse: bool,
-    /// Use the double-buffered (cp.async) prefill attention kernel.
-    pub prefill_pipelined: bool,
+    /// Which prefill attention kernel runs (`DEEPINFER_CUDA_PREFILL`).
+    pub prefill: PrefillKernel,
     /// Programmatic dependent launch where the device has it (sm_90+).
     pub pdl: bool,
     /// Block-cooperative GEMVs for long bf16/f16 rows (see `matmul::pick`).
@@ -95,7 +111,7 @@ impl Default for CudaOptions {
             act: None,
             graphs: true,
             fuse: true,
-            prefill_pipelined: true,
+            prefill: PrefillKernel::Wide,
             pdl: true,
             gemvb: true,
             fuse2: false,
@@ -112,7 +128,8 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
-    /// `2`: double-buffered prefill attention).
+    /// `2`: double-buffered, `3`: wide (the default), `4`: wide with two blocks per SM; see
+    /// [`PrefillKernel`]).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
         match std::env::var("DEEPINFER_CUDA_ACT").ok().as_deref() {
@@ -136,9 +153,17 @@ impl CudaOptions {
         o.fuse_rope_kv = !off("DEEPINFER_CUDA_FUSE_ROPE_KV");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
-            Some("2") => o.prefill_pipelined = true,
-            Some("1") => o.prefill_pipelined = false,
-            _ => {}
+            None | Some("") => {}
+            Some("1") => o.prefill = PrefillKernel::Plain,
+            Some("2") => o.prefill = PrefillKernel::Pipelined,
+            Some("3") => o.prefill = PrefillKernel::Wide,
+            Some("4") => o.prefill = PrefillKernel::WideShared,
+            Some(other) => {
+                return Err(Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_PREFILL={other}: expected 1 (plain), 2 (double-buffered), \
+                     3 (wide) or 4 (wide, Q in shared memory)"
+                )))
+            }
         }
         Ok(o)
     }

@@ -126,6 +126,16 @@ pub fn prefill2_smem(d: usize) -> usize {
     (64 + 2 * 2 * 64) * d * 2
 }
 
+/// Buffer stages of the wide prefill kernels (`attn_prefill3`, `attn_prefill4`).
+pub const PREFILL_WIDE_STAGES: [usize; 2] = [3, 2];
+
+/// Dynamic shared memory of a wide prefill kernel (`variant` 0: `attn_prefill3`, 1:
+/// `attn_prefill4`) for head dim `d`: the 128-row Q tile and its stages of 64-row K and V
+/// tiles, in bf16.
+pub fn prefill_wide_smem(variant: usize, d: usize) -> usize {
+    (128 + PREFILL_WIDE_STAGES[variant] * 2 * 64) * d * 2
+}
+
 /// A kernel, by index into [`Module::funcs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KernelId(pub u16);
@@ -152,6 +162,10 @@ pub struct ActKernels {
     /// The double-buffered variant, by head dim 64, 128 (dynamic shared memory:
     /// [`prefill2_smem`]).
     pub attn_prefill2: [KernelId; 2],
+    /// The wide variants (128 queries, 8 warps), by variant (`attn_prefill3`: Q in registers,
+    /// `attn_prefill4`: Q in shared memory) and head dim 64, 128 (dynamic shared memory:
+    /// [`prefill_wide_smem`]).
+    pub attn_prefill_wide: [[KernelId; 2]; 2],
     /// By weight type (see `WType`).
     pub gemv: [KernelId; 6],
     /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
@@ -203,6 +217,8 @@ pub struct Module {
     /// By activation type (f32, bf16).
     pub deepseek: [DeepseekKernels; 2],
     pub moe_plan: KernelId,
+    /// The device's opt-in limit of dynamic shared memory per block, bytes.
+    pub max_smem: usize,
 }
 
 impl Module {
@@ -214,6 +230,11 @@ impl Module {
         let module = ctx
             .load_module(Ptx::from_src(ptx))
             .map_err(|e| cuda_err("loading the kernel module", e))?;
+        let max_smem =
+            ctx.attribute(
+                sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| cuda_err("reading the shared memory limit", e))? as usize;
         let mut funcs = Vec::new();
         let mut index = HashMap::new();
         let mut get = |name: String| -> Result<KernelId> {
@@ -267,6 +288,10 @@ impl Module {
                 attn_combine: n("attn_combine")?,
                 attn_prefill: [n("attn_prefill_d64")?, n("attn_prefill_d128")?],
                 attn_prefill2: [n("attn_prefill2_d64")?, n("attn_prefill2_d128")?],
+                attn_prefill_wide: [
+                    [n("attn_prefill3_d64")?, n("attn_prefill3_d128")?],
+                    [n("attn_prefill4_d64")?, n("attn_prefill4_d128")?],
+                ],
                 gemv: [
                     n("gemv_f32w")?,
                     n("gemv_f16w")?,
@@ -318,12 +343,29 @@ impl Module {
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
-        for (k, d) in f32
+        let wide = |a: &ActKernels| {
+            a.attn_prefill_wide
+                .iter()
+                .enumerate()
+                .flat_map(|(v, ks)| {
+                    ks.iter()
+                        .zip([64, 128])
+                        .map(move |(k, d)| (*k, prefill_wide_smem(v, d)))
+                })
+                .collect::<Vec<_>>()
+        };
+        let big_smem: Vec<(KernelId, usize)> = f32
             .attn_prefill2
             .iter()
             .chain(&bf16.attn_prefill2)
             .zip([64, 128, 64, 128])
-        {
+            .map(|(k, d)| (*k, prefill2_smem(d)))
+            .chain(wide(&f32))
+            .chain(wide(&bf16))
+            .collect();
+        // Kernels that need more than the device has are never launched (see
+        // `attention::prefill_kernel`).
+        for (k, bytes) in big_smem.into_iter().filter(|&(_, b)| b <= max_smem) {
             let f = funcs[k.0 as usize].cu_function();
             // SAFETY: `f` is a kernel of the loaded module; the value is within the device's
             // opt-in limit (227 KB on Hopper, 163 KB on A100).
@@ -331,7 +373,7 @@ impl Module {
                 cudarc::driver::result::function::set_function_attribute(
                     f,
                     sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    prefill2_smem(d) as i32,
+                    bytes as i32,
                 )
             }
             .map_err(|e| cuda_err("raising the prefill kernel's shared memory limit", e))?;
@@ -339,6 +381,7 @@ impl Module {
         Ok(Module {
             funcs,
             pdl: major >= 9,
+            max_smem,
             f32,
             bf16,
             rope_table,
