@@ -421,13 +421,16 @@ __device__ __forceinline__ void store2(bf16_t* p, long i, float a, float b) {
     *reinterpret_cast<u32*>(p + i) = pack_bf16x2(a, b);
 }
 
-template <typename T, int D, bool QREG, int STAGES>
+template <typename T, int D, bool QREG, int STAGES, int NW, int MT>
 __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
                                        int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
                                        const int* tables, int table_width, int n_heads, int n_kv_heads,
                                        int block_size, float scale_log2, int window) {
     constexpr int CH = D / 8;
+    constexpr int THREADS = NW * 32;
+    constexpr int WR = 16 * MT;           // query rows per warp
     constexpr int STAGE = 2 * FW_BN * D;  // K then V
+    static_assert(NW * WR == FW_BM, "warps x rows must cover the query tile");
     extern __shared__ __align__(16) bf16_t smem[];
     bf16_t* sq = smem;
     bf16_t* skv = smem + FW_BM * D;
@@ -445,6 +448,8 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
     int kstart = window > 0 ? max(0, qfirst + 1 - window) : 0;
     kstart = kstart / FW_BN * FW_BN;
     const int n_kt = (qlast - kstart) / FW_BN + 1;
+    // Cache blocks of a power-of-two size are found by shifts, not divisions.
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
 
     auto issue = [&](int it) {
         if (it < n_kt) {
@@ -452,13 +457,15 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
             bf16_t* sk = skv + (it % STAGES) * STAGE;
             bf16_t* sv = sk + FW_BN * D;
 #pragma unroll
-            for (int e = tid; e < FW_BN * CH; e += FW_THREADS) {
+            for (int e = tid; e < FW_BN * CH; e += THREADS) {
                 const int r = e / CH, c = e % CH;
                 const int j = kt + r;
                 const bool ok = j <= qlast;
                 long off = 0;
                 if (ok) {
-                    const long slot = (long)table[j / block_size] * block_size + j % block_size;
+                    const int b = bs_shift >= 0 ? j >> bs_shift : j / block_size;
+                    const int in = bs_shift >= 0 ? j & (block_size - 1) : j % block_size;
+                    const long slot = (long)table[b] * block_size + in;
                     off = (slot * n_kv_heads + g) * D + c * 8;
                 }
                 cp_async16(&sk[swz<D>(r, c * 8)], kc + off, ok);
@@ -470,30 +477,37 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) issue(s);
-    for (int e = tid; e < FW_BM * CH; e += FW_THREADS) {
+    for (int e = tid; e < FW_BM * CH; e += THREADS) {
         const int r = e / CH, c = e % CH;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
         *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
     }
-    u32 qf[QREG ? D / 16 : 1][4];
+    constexpr int QF = QREG ? MT * (D / 16) : 1;
+    u32 qf[QF][4];
     if (QREG) {
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < (QREG ? D / 16 : 0); kk++) {
-            ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3],
-                    &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+        for (int i = 0; i < (QREG ? QF : 0); i++) {
+            const int mt = i / (D / 16), kk = i % (D / 16);
+            ldsm_x4(qf[i][0], qf[i][1], qf[i][2], qf[i][3],
+                    &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
         }
     }
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float mrow[MT][2], lrow[MT][2];
 #pragma unroll
-    for (int i = 0; i < D / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.0f, 0.0f};
-    const int qrow0 = qfirst + warp * 16 + (lane >> 2);  // position of this thread's first row
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+        mrow[mt][0] = mrow[mt][1] = NEG_INF;
+        lrow[mt][0] = lrow[mt][1] = 0.0f;
+    }
+    const int qrow0 = qfirst + warp * WR + (lane >> 2);  // position of this thread's first row
     // This warp's rows (positions); a warp wholly past the sequence's queries only keeps step.
-    const int wfirst = qfirst + warp * 16, wlast = min(wfirst + 15, qlast);
-    const bool active = warp * 16 < qn;
+    const int wfirst = qfirst + warp * WR, wlast = min(wfirst + WR - 1, qlast);
+    const bool active = warp * WR < qn;
 
     for (int it = 0; it < n_kt; it++) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
@@ -506,127 +520,164 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
         if (!active || skip) continue;
         const bool masked = kt + FW_BN - 1 > wfirst || (window > 0 && kt <= wlast - window);
 
-        float s[FW_BN / 8][4];
+        float s[MT][FW_BN / 8][4];
 #pragma unroll
-        for (int i = 0; i < FW_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int i = 0; i < FW_BN / 8; i++) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+        }
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            u32 a[4];
-            if (QREG) {
-                a[0] = qf[QREG ? kk : 0][0];
-                a[1] = qf[QREG ? kk : 0][1];
-                a[2] = qf[QREG ? kk : 0][2];
-                a[3] = qf[QREG ? kk : 0][3];
-            } else {
-                ldsm_x4(a[0], a[1], a[2], a[3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                if (QREG) {
+                    const int i = QREG ? mt * (D / 16) + kk : 0;
+                    a[mt][0] = qf[i][0];
+                    a[mt][1] = qf[i][1];
+                    a[mt][2] = qf[i][2];
+                    a[mt][3] = qf[i][3];
+                } else {
+                    ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                            &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+                }
             }
 #pragma unroll
             for (int np = 0; np < FW_BN / 16; np++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4(b0, b1, b2, b3,
                         &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
-                mma_bf16_16816(s[2 * np], a, b0, b1);
-                mma_bf16_16816(s[2 * np + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(s[mt][2 * np], a[mt], b0, b1);
+                    mma_bf16_16816(s[mt][2 * np + 1], a[mt], b2, b3);
+                }
             }
         }
         if (masked) {
 #pragma unroll
-            for (int nt = 0; nt < FW_BN / 8; nt++) {
+            for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
-                    const int qp = qrow0 + (e >> 1) * 8;
-                    const bool ok = key <= qp && (window <= 0 || key > qp - window);
-                    if (!ok) s[nt][e] = NEG_INF;
+                for (int nt = 0; nt < FW_BN / 8; nt++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                        const int qp = qrow0 + mt * 16 + (e >> 1) * 8;
+                        const bool ok = key <= qp && (window <= 0 || key > qp - window);
+                        if (!ok) s[mt][nt][e] = NEG_INF;
+                    }
                 }
             }
         }
-        float corr[2];
+        float corr[MT][2];
+        bool moved = false;
 #pragma unroll
-        for (int rh = 0; rh < 2; rh++) {
-            float mx = NEG_INF;
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int nt = 0; nt < FW_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mrow[rh], mx * scale_log2);
-            const float muse = mnew == NEG_INF ? 0.0f : mnew;
-            corr[rh] = fast_exp2(mrow[rh] - muse);
-            mrow[rh] = mnew;
-            float rs = 0.0f;
+            for (int rh = 0; rh < 2; rh++) {
+                float mx = NEG_INF;
 #pragma unroll
-            for (int nt = 0; nt < FW_BN / 8; nt++) {
-                const float p0 = fast_exp2(fmaf(s[nt][2 * rh], scale_log2, -muse));
-                const float p1 = fast_exp2(fmaf(s[nt][2 * rh + 1], scale_log2, -muse));
-                s[nt][2 * rh] = p0;
-                s[nt][2 * rh + 1] = p1;
-                rs += p0 + p1;
+                for (int nt = 0; nt < FW_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * rh], s[mt][nt][2 * rh + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mnew = fmaxf(mrow[mt][rh], mx * scale_log2);
+                const float muse = mnew == NEG_INF ? 0.0f : mnew;
+                corr[mt][rh] = fast_exp2(mrow[mt][rh] - muse);
+                moved |= corr[mt][rh] != 1.0f;
+                mrow[mt][rh] = mnew;
+                float rs = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < FW_BN / 8; nt++) {
+                    const float p0 = fast_exp2(fmaf(s[mt][nt][2 * rh], scale_log2, -muse));
+                    const float p1 = fast_exp2(fmaf(s[mt][nt][2 * rh + 1], scale_log2, -muse));
+                    s[mt][nt][2 * rh] = p0;
+                    s[mt][nt][2 * rh + 1] = p1;
+                    rs += p0 + p1;
+                }
+                lrow[mt][rh] = lrow[mt][rh] * corr[mt][rh] + rs;
             }
-            lrow[rh] = lrow[rh] * corr[rh] + rs;
         }
-        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+        if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                o[dt][0] *= corr[0];
-                o[dt][1] *= corr[0];
-                o[dt][2] *= corr[1];
-                o[dt][3] *= corr[1];
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int dt = 0; dt < D / 8; dt++) {
+                    o[mt][dt][0] *= corr[mt][0];
+                    o[mt][dt][1] *= corr[mt][0];
+                    o[mt][dt][2] *= corr[mt][1];
+                    o[mt][dt][3] *= corr[mt][1];
+                }
             }
         }
 #pragma unroll
         for (int kk = 0; kk < FW_BN / 16; kk++) {
-            u32 a[4];
-            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < D / 16; dp++) {
                 u32 b0, b1, b2, b3;
                 ldsm_x4_t(b0, b1, b2, b3,
                           &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
-                mma_bf16_16816(o[2 * dp], a, b0, b1);
-                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16_16816(o[mt][2 * dp], a[mt], b0, b1);
+                    mma_bf16_16816(o[mt][2 * dp + 1], a[mt], b2, b3);
+                }
             }
         }
     }
     asm volatile("cp.async.wait_group 0;");
 
 #pragma unroll
-    for (int rh = 0; rh < 2; rh++) {
-        float l = lrow[rh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row = warp * 16 + (lane >> 2) + rh * 8;
-        if (row < qn) {
-            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                store2(out, base + dt * 8 + 2 * (lane & 3), o[dt][2 * rh] * inv, o[dt][2 * rh + 1] * inv);
+        for (int rh = 0; rh < 2; rh++) {
+            float l = lrow[mt][rh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int row = warp * WR + mt * 16 + (lane >> 2) + rh * 8;
+            if (row < qn) {
+                const long base = ((long)(start + q0 + row) * n_heads + h) * D;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; dt++) {
+                    store2(out, base + dt * 8 + 2 * (lane & 3), o[mt][dt][2 * rh] * inv, o[mt][dt][2 * rh + 1] * inv);
+                }
             }
         }
     }
 }
 
-// attn_prefill3: Q in registers, 3 stages, one block per SM. attn_prefill4: Q from shared
-// memory, 2 stages, two blocks per SM.
-#define PREFILL_WIDE_WRAPPER(NAME, QREG, STAGES, MINB, T, S, D)                                                    \
-    extern "C" __global__ void __launch_bounds__(FW_THREADS, MINB) NAME##_d##D##_##S(                            \
+// attn_prefill3: 8 warps of 16 rows, Q in registers, 3 stages, one block per SM.
+// attn_prefill4: 8 warps of 16 rows, Q from shared memory, 2 stages, two blocks per SM.
+// attn_prefill5: 4 warps of 32 rows (each K/V fragment feeds two MMAs), Q from shared memory,
+// 2 stages, two blocks per SM.
+#define PREFILL_WIDE_WRAPPER(NAME, QREG, STAGES, NW, MT, MINB, T, S, D)                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, MINB) NAME##_d##D##_##S(                               \
         T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
         const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
         int block_size, float scale_log2, int window) {                                                            \
         PDL_ENTRY();                                                                                               \
-        attn_prefill_wide_impl<T, D, QREG, STAGES>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos,     \
-                                                   tables, table_width, n_heads, n_kv_heads, block_size,            \
-                                                   scale_log2, window);                                             \
+        attn_prefill_wide_impl<T, D, QREG, STAGES, NW, MT>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len,      \
+                                                           seq_pos, tables, table_width, n_heads, n_kv_heads,       \
+                                                           block_size, scale_log2, window);                         \
     }
 
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, float, f32, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, float, f32, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, bf16_t, bf16, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 1, bf16_t, bf16, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, float, f32, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, float, f32, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, bf16_t, bf16, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 2, bf16_t, bf16, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, bf16_t, bf16, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, bf16_t, bf16, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, bf16_t, bf16, 128)

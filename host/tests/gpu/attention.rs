@@ -306,11 +306,12 @@ fn rope_and_kv_write_fold_into_one_launch() {
     }
 }
 
-const PREFILL_KERNELS: [PrefillKernel; 4] = [
+const PREFILL_KERNELS: [PrefillKernel; 5] = [
     PrefillKernel::Plain,
     PrefillKernel::Pipelined,
     PrefillKernel::Wide,
     PrefillKernel::WideShared,
+    PrefillKernel::Wide32,
 ];
 
 /// The CUDA backend with activations `act` and prefill kernel `k`, or `None` (skip printed).
@@ -415,12 +416,9 @@ fn prefill_kernel_speed_at_llama3_8b_shape() {
         let table: Vec<u32> = (0..n.div_ceil(bs) as u32).rev().collect();
         let flop = 4.0 * (p.n_heads * p.head_dim) as f64 * (n as f64) * (n as f64 + 1.0) / 2.0;
         let mut base: Option<Vec<f32>> = None;
-        for k in [
-            PrefillKernel::Pipelined,
-            PrefillKernel::Plain,
-            PrefillKernel::Wide,
-            PrefillKernel::WideShared,
-        ] {
+        let mut kernels = PREFILL_KERNELS.to_vec();
+        kernels.swap(0, 1); // the double-buffered kernel first: the others are compared to it
+        for k in kernels {
             let Some(be) = backend_with(Act::Bf16, k) else {
                 return;
             };

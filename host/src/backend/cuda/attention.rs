@@ -205,7 +205,7 @@ pub(crate) fn attention(
 const _: () = assert!(super::step::PREFILL_TILE * 2 == 128);
 
 /// The prefill kernel to launch for head-dim index `pi`, its dynamic shared memory and grid.
-/// The wide kernels (128 queries a block, 256 threads) take the query head as x and the
+/// The wide kernels (128 queries a block) take the query head as x and the
 /// 64-query work item as y; the others the item as x, the head as y (128 threads). The wide
 /// ones fall back to the double-buffered kernel where they cannot run: more work items than a
 /// grid's y holds, the device's shared memory short, or a scale that is not positive (they
@@ -226,12 +226,14 @@ fn prefill_kernel(
         PrefillKernel::Pipelined => None,
         PrefillKernel::Wide => Some(0),
         PrefillKernel::WideShared => Some(1),
+        PrefillKernel::Wide32 => Some(2),
     };
     if let Some(v) = variant {
         let smem = prefill_wide_smem(v, d);
         if n_tiles <= 65_535 && smem <= inner.module.max_smem && p.scale > 0.0 {
             let grid = [p.n_heads as u32, n_tiles as u32, 1];
-            return (kern.attn_prefill_wide[v][pi], smem as u32, grid, 256);
+            let threads = super::module::PREFILL_WIDE_THREADS[v];
+            return (kern.attn_prefill_wide[v][pi], smem as u32, grid, threads);
         }
     }
     (kern.attn_prefill2[pi], prefill2_smem(d) as u32, narrow, 128)

@@ -126,12 +126,13 @@ pub fn prefill2_smem(d: usize) -> usize {
     (64 + 2 * 2 * 64) * d * 2
 }
 
-/// Buffer stages of the wide prefill kernels (`attn_prefill3`, `attn_prefill4`).
-pub const PREFILL_WIDE_STAGES: [usize; 2] = [3, 2];
+/// Buffer stages of the wide prefill kernels (`attn_prefill3`, `4`, `5`).
+pub const PREFILL_WIDE_STAGES: [usize; 3] = [3, 2, 2];
+/// Threads per block of the wide prefill kernels.
+pub const PREFILL_WIDE_THREADS: [u32; 3] = [256, 256, 128];
 
-/// Dynamic shared memory of a wide prefill kernel (`variant` 0: `attn_prefill3`, 1:
-/// `attn_prefill4`) for head dim `d`: the 128-row Q tile and its stages of 64-row K and V
-/// tiles, in bf16.
+/// Dynamic shared memory of a wide prefill kernel (`variant` 0, 1, 2: `attn_prefill3`, `4`,
+/// `5`) for head dim `d`: the 128-row Q tile and its stages of 64-row K and V tiles, in bf16.
 pub fn prefill_wide_smem(variant: usize, d: usize) -> usize {
     (128 + PREFILL_WIDE_STAGES[variant] * 2 * 64) * d * 2
 }
@@ -162,10 +163,10 @@ pub struct ActKernels {
     /// The double-buffered variant, by head dim 64, 128 (dynamic shared memory:
     /// [`prefill2_smem`]).
     pub attn_prefill2: [KernelId; 2],
-    /// The wide variants (128 queries, 8 warps), by variant (`attn_prefill3`: Q in registers,
-    /// `attn_prefill4`: Q in shared memory) and head dim 64, 128 (dynamic shared memory:
+    /// The wide variants (128 queries a block), by variant (`attn_prefill3`, `4`, `5`; see
+    /// [`super::PrefillKernel`]) and head dim 64, 128 (dynamic shared memory:
     /// [`prefill_wide_smem`]).
-    pub attn_prefill_wide: [[KernelId; 2]; 2],
+    pub attn_prefill_wide: [[KernelId; 2]; 3],
     /// By weight type (see `WType`).
     pub gemv: [KernelId; 6],
     /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
@@ -291,6 +292,7 @@ impl Module {
                 attn_prefill_wide: [
                     [n("attn_prefill3_d64")?, n("attn_prefill3_d128")?],
                     [n("attn_prefill4_d64")?, n("attn_prefill4_d128")?],
+                    [n("attn_prefill5_d64")?, n("attn_prefill5_d128")?],
                 ],
                 gemv: [
                     n("gemv_f32w")?,
