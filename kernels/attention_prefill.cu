@@ -390,23 +390,24 @@ PREFILL_WRAPPER(bf16_t, bf16, 64)
 PREFILL_WRAPPER(bf16_t, bf16, 128)
 
 // ---------------------------------------------------------------------------------------------
-// Wide variant: a block of 8 warps takes 128 query tokens of one sequence for one query head
-// (16 rows per warp) and walks the keys in tiles of 64 through a ring of `STAGES` cp.async
-// buffers, one barrier per tile: at the top of tile `it` every warp has finished tile `it-1`,
-// so its buffer is refilled with tile `it + STAGES - 1` while `it` is multiplied. Only tiles
-// that cross a warp's diagonal (or its window's edge) are masked; a warp skips tiles that lie
-// wholly past its rows. Scores stay raw until the exponent (p = 2^(s * scale * log2e - m), one
-// FFMA and one MUFU.EX2 each), and O is rescaled only when some row's maximum moved.
+// Wide variant (`attn_prefill3`, the default): a block of NW warps takes 128 query tokens of
+// one sequence for one query head, each warp MT x 16 consecutive rows, so every K and V
+// fragment read from shared memory feeds MT MMAs (instantiated as 4 warps of 32 rows: two
+// blocks of 128 threads per SM, about 255 registers each). Keys are walked in tiles of 64
+// through a ring of `STAGES` cp.async buffers with one barrier per tile: at the top of tile
+// `it` every warp has finished tile `it-1`, so its buffer is refilled with tile
+// `it + STAGES - 1` while `it` is multiplied. Q stays in shared memory (fragments reloaded
+// per tile). Only tiles that cross a warp's diagonal (or its window's edge) are masked; a warp
+// skips tiles wholly past its rows. Scores stay raw until the exponent (p = 2^(s * scale *
+// log2e - m): one FFMA and one MUFU.EX2 each), and O is rescaled only when some row's maximum
+// moved (the scale must be positive; the host falls back otherwise).
 //
 // Work items: the engine's 64-query list (`tiles`, PREFILL_TILE in step.rs); a block takes
 // the item of its y index counted from the last (longest causal rows first) and its successor,
 // and blocks whose item starts at an odd multiple of 64 leave at once. x is the query head, so
 // the heads sharing a KV head run side by side and read its tiles from L2.
-// QREG: Q fragments held in registers for the whole walk (else reloaded from shared memory
-// per tile, fewer registers so two blocks fit an SM).
 #define FW_BM 128
 #define FW_BN 64
-#define FW_THREADS 256
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -421,7 +422,7 @@ __device__ __forceinline__ void store2(bf16_t* p, long i, float a, float b) {
     *reinterpret_cast<u32*>(p + i) = pack_bf16x2(a, b);
 }
 
-template <typename T, int D, bool QREG, int STAGES, int NW, int MT>
+template <typename T, int D, int STAGES, int NW, int MT>
 __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
                                        int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
                                        const int* tables, int table_width, int n_heads, int n_kv_heads,
@@ -483,18 +484,6 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
         if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
         *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
     }
-    constexpr int QF = QREG ? MT * (D / 16) : 1;
-    u32 qf[QF][4];
-    if (QREG) {
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < (QREG ? QF : 0); i++) {
-            const int mt = i / (D / 16), kk = i % (D / 16);
-            ldsm_x4(qf[i][0], qf[i][1], qf[i][2], qf[i][3],
-                    &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-        }
-    }
-
     float o[MT][D / 8][4];
     float mrow[MT][2], lrow[MT][2];
 #pragma unroll
@@ -531,16 +520,8 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
             u32 a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                if (QREG) {
-                    const int i = QREG ? mt * (D / 16) + kk : 0;
-                    a[mt][0] = qf[i][0];
-                    a[mt][1] = qf[i][1];
-                    a[mt][2] = qf[i][2];
-                    a[mt][3] = qf[i][3];
-                } else {
-                    ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
-                            &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-                }
+                ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                        &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
             }
 #pragma unroll
             for (int np = 0; np < FW_BN / 16; np++) {
@@ -654,30 +635,20 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
     }
 }
 
-// attn_prefill3: 8 warps of 16 rows, Q in registers, 3 stages, one block per SM.
-// attn_prefill4: 8 warps of 16 rows, Q from shared memory, 2 stages, two blocks per SM.
-// attn_prefill5: 4 warps of 32 rows (each K/V fragment feeds two MMAs), Q from shared memory,
-// 2 stages, two blocks per SM.
-#define PREFILL_WIDE_WRAPPER(NAME, QREG, STAGES, NW, MT, MINB, T, S, D)                                            \
+#define PREFILL_WIDE_WRAPPER(NAME, STAGES, NW, MT, MINB, T, S, D)                                                  \
     extern "C" __global__ void __launch_bounds__(NW * 32, MINB) NAME##_d##D##_##S(                               \
         T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles, int n_tiles, const int* seq_start, \
         const int* seq_len, const int* seq_pos, const int* tables, int table_width, int n_heads, int n_kv_heads,    \
         int block_size, float scale_log2, int window) {                                                            \
         PDL_ENTRY();                                                                                               \
-        attn_prefill_wide_impl<T, D, QREG, STAGES, NW, MT>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len,      \
-                                                           seq_pos, tables, table_width, n_heads, n_kv_heads,       \
-                                                           block_size, scale_log2, window);                         \
+        attn_prefill_wide_impl<T, D, STAGES, NW, MT>(out, q, kc, vc, tiles, n_tiles, seq_start, seq_len, seq_pos,   \
+                                                     tables, table_width, n_heads, n_kv_heads, block_size,          \
+                                                     scale_log2, window);                                           \
     }
 
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, float, f32, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, float, f32, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, bf16_t, bf16, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill3, true, 3, 8, 1, 1, bf16_t, bf16, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, float, f32, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, float, f32, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, bf16_t, bf16, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill4, false, 2, 8, 1, 2, bf16_t, bf16, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, float, f32, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, float, f32, 128)
-PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, bf16_t, bf16, 64)
-PREFILL_WIDE_WRAPPER(attn_prefill5, false, 2, 4, 2, 2, bf16_t, bf16, 128)
+// 4 warps of 32 rows, 2 stages, two blocks per SM (`PREFILL3_THREADS` and `prefill3_smem` in
+// module.rs).
+PREFILL_WIDE_WRAPPER(attn_prefill3, 2, 4, 2, 2, float, f32, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, 2, 4, 2, 2, float, f32, 128)
+PREFILL_WIDE_WRAPPER(attn_prefill3, 2, 4, 2, 2, bf16_t, bf16, 64)
+PREFILL_WIDE_WRAPPER(attn_prefill3, 2, 4, 2, 2, bf16_t, bf16, 128)

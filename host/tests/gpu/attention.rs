@@ -306,12 +306,10 @@ fn rope_and_kv_write_fold_into_one_launch() {
     }
 }
 
-const PREFILL_KERNELS: [PrefillKernel; 5] = [
+const PREFILL_KERNELS: [PrefillKernel; 3] = [
     PrefillKernel::Plain,
     PrefillKernel::Pipelined,
     PrefillKernel::Wide,
-    PrefillKernel::WideShared,
-    PrefillKernel::Wide32,
 ];
 
 /// The CUDA backend with activations `act` and prefill kernel `k`, or `None` (skip printed).

@@ -204,12 +204,12 @@ pub(crate) fn attention(
 // The wide kernels (`FW_BM` = 128) take two of the step's 64-query work items a block.
 const _: () = assert!(super::step::PREFILL_TILE * 2 == 128);
 
-/// The prefill kernel to launch for head-dim index `pi`, its dynamic shared memory and grid.
-/// The wide kernels (128 queries a block) take the query head as x and the
-/// 64-query work item as y; the others the item as x, the head as y (128 threads). The wide
-/// ones fall back to the double-buffered kernel where they cannot run: more work items than a
-/// grid's y holds, the device's shared memory short, or a scale that is not positive (they
-/// take the row maximum before scaling).
+/// The prefill kernel to launch for head-dim index `pi`, its dynamic shared memory, grid and
+/// block. The wide kernel takes the query head as x and the 64-query work item as y (longest
+/// rows first, the heads of one KV head side by side); the others the item as x, the head as y.
+/// The wide one falls back to the double-buffered kernel where it cannot run: more work items
+/// than a grid's y holds, the device's shared memory short, or a scale that is not positive
+/// (it takes the row maximum before scaling).
 fn prefill_kernel(
     inner: &Inner,
     kern: &super::module::ActKernels,
@@ -217,23 +217,19 @@ fn prefill_kernel(
     n_tiles: usize,
     p: &AttnParams,
 ) -> (super::module::KernelId, u32, [u32; 3], u32) {
-    use super::module::{prefill2_smem, prefill_wide_smem};
+    use super::module::{prefill2_smem, prefill3_smem, PREFILL3_THREADS};
     use super::PrefillKernel;
     let d = p.head_dim;
     let narrow = [n_tiles as u32, p.n_heads as u32, 1];
-    let variant = match inner.opts.prefill {
+    match inner.opts.prefill {
         PrefillKernel::Plain => return (kern.attn_prefill[pi], 0, narrow, 128),
-        PrefillKernel::Pipelined => None,
-        PrefillKernel::Wide => Some(0),
-        PrefillKernel::WideShared => Some(1),
-        PrefillKernel::Wide32 => Some(2),
-    };
-    if let Some(v) = variant {
-        let smem = prefill_wide_smem(v, d);
-        if n_tiles <= 65_535 && smem <= inner.module.max_smem && p.scale > 0.0 {
-            let grid = [p.n_heads as u32, n_tiles as u32, 1];
-            let threads = super::module::PREFILL_WIDE_THREADS[v];
-            return (kern.attn_prefill_wide[v][pi], smem as u32, grid, threads);
+        PrefillKernel::Pipelined => {}
+        PrefillKernel::Wide => {
+            let smem = prefill3_smem(d);
+            if n_tiles <= 65_535 && smem <= inner.module.max_smem && p.scale > 0.0 {
+                let grid = [p.n_heads as u32, n_tiles as u32, 1];
+                return (kern.attn_prefill3[pi], smem as u32, grid, PREFILL3_THREADS);
+            }
         }
     }
     (kern.attn_prefill2[pi], prefill2_smem(d) as u32, narrow, 128)

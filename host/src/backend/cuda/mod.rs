@@ -66,15 +66,11 @@ pub enum PrefillKernel {
     Plain,
     /// `attn_prefill2`: 64 queries per block, K/V tiles double-buffered with cp.async.
     Pipelined,
-    /// `attn_prefill3`: 128 queries per block of 8 warps, Q in registers, three K/V stages,
-    /// masks only on diagonal tiles. Falls back to `Pipelined` where the device lacks the
-    /// shared memory or the step has more than 65,535 work items.
+    /// `attn_prefill3`: 128 queries per block of 4 warps (32 rows each, so every K/V fragment
+    /// feeds two MMAs), two blocks per SM, masks only on diagonal tiles. Falls back to
+    /// `Pipelined` where the device lacks the shared memory (96 KB at head dim 128), the step
+    /// has more than 65,535 work items or the scale is not positive.
     Wide,
-    /// `attn_prefill4`: as `Wide` with Q in shared memory and two stages (two blocks per SM).
-    WideShared,
-    /// `attn_prefill5`: 128 queries per block of 4 warps of 32 rows (each K/V fragment feeds
-    /// two MMAs), Q in shared memory, two stages, two blocks per SM.
-    Wide32,
 }
 
 /// Backend settings, resolved once at construction.
@@ -131,7 +127,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
-    /// `2`: double-buffered, `3`: wide (the default), `4`: wide with two blocks per SM, `5`: wide with 32 rows a warp; see
+    /// `2`: double-buffered, `3`: wide, the default; see
     /// [`PrefillKernel`]).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -160,12 +156,10 @@ impl CudaOptions {
             Some("1") => o.prefill = PrefillKernel::Plain,
             Some("2") => o.prefill = PrefillKernel::Pipelined,
             Some("3") => o.prefill = PrefillKernel::Wide,
-            Some("4") => o.prefill = PrefillKernel::WideShared,
-            Some("5") => o.prefill = PrefillKernel::Wide32,
             Some(other) => {
                 return Err(Error::BadConfig(format!(
                     "DEEPINFER_CUDA_PREFILL={other}: expected 1 (plain), 2 (double-buffered), \
-                     3 (wide), 4 (wide, Q in shared memory) or 5 (wide, 32 rows a warp)"
+                     or 3 (wide, the default)"
                 )))
             }
         }

@@ -126,15 +126,13 @@ pub fn prefill2_smem(d: usize) -> usize {
     (64 + 2 * 2 * 64) * d * 2
 }
 
-/// Buffer stages of the wide prefill kernels (`attn_prefill3`, `4`, `5`).
-pub const PREFILL_WIDE_STAGES: [usize; 3] = [3, 2, 2];
-/// Threads per block of the wide prefill kernels.
-pub const PREFILL_WIDE_THREADS: [u32; 3] = [256, 256, 128];
+/// Threads per block of the wide prefill kernel (`attn_prefill3`: 4 warps of 32 query rows).
+pub const PREFILL3_THREADS: u32 = 128;
 
-/// Dynamic shared memory of a wide prefill kernel (`variant` 0, 1, 2: `attn_prefill3`, `4`,
-/// `5`) for head dim `d`: the 128-row Q tile and its stages of 64-row K and V tiles, in bf16.
-pub fn prefill_wide_smem(variant: usize, d: usize) -> usize {
-    (128 + PREFILL_WIDE_STAGES[variant] * 2 * 64) * d * 2
+/// Dynamic shared memory of the wide prefill kernel for head dim `d`: the 128-row Q tile and
+/// two stages of 64-row K and V tiles, in bf16 (96 KB at d = 128).
+pub fn prefill3_smem(d: usize) -> usize {
+    (128 + 2 * 2 * 64) * d * 2
 }
 
 /// A kernel, by index into [`Module::funcs`].
@@ -163,10 +161,9 @@ pub struct ActKernels {
     /// The double-buffered variant, by head dim 64, 128 (dynamic shared memory:
     /// [`prefill2_smem`]).
     pub attn_prefill2: [KernelId; 2],
-    /// The wide variants (128 queries a block), by variant (`attn_prefill3`, `4`, `5`; see
-    /// [`super::PrefillKernel`]) and head dim 64, 128 (dynamic shared memory:
-    /// [`prefill_wide_smem`]).
-    pub attn_prefill_wide: [[KernelId; 2]; 3],
+    /// The wide variant (128 queries a block), by head dim 64, 128 (dynamic shared memory:
+    /// [`prefill3_smem`]).
+    pub attn_prefill3: [KernelId; 2],
     /// By weight type (see `WType`).
     pub gemv: [KernelId; 6],
     /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
@@ -289,11 +286,7 @@ impl Module {
                 attn_combine: n("attn_combine")?,
                 attn_prefill: [n("attn_prefill_d64")?, n("attn_prefill_d128")?],
                 attn_prefill2: [n("attn_prefill2_d64")?, n("attn_prefill2_d128")?],
-                attn_prefill_wide: [
-                    [n("attn_prefill3_d64")?, n("attn_prefill3_d128")?],
-                    [n("attn_prefill4_d64")?, n("attn_prefill4_d128")?],
-                    [n("attn_prefill5_d64")?, n("attn_prefill5_d128")?],
-                ],
+                attn_prefill3: [n("attn_prefill3_d64")?, n("attn_prefill3_d128")?],
                 gemv: [
                     n("gemv_f32w")?,
                     n("gemv_f16w")?,
@@ -345,25 +338,21 @@ impl Module {
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
-        let wide = |a: &ActKernels| {
-            a.attn_prefill_wide
-                .iter()
-                .enumerate()
-                .flat_map(|(v, ks)| {
-                    ks.iter()
-                        .zip([64, 128])
-                        .map(move |(k, d)| (*k, prefill_wide_smem(v, d)))
-                })
-                .collect::<Vec<_>>()
-        };
-        let big_smem: Vec<(KernelId, usize)> = f32
-            .attn_prefill2
+        let big_smem: Vec<(KernelId, usize)> = [&f32, &bf16]
             .iter()
-            .chain(&bf16.attn_prefill2)
-            .zip([64, 128, 64, 128])
-            .map(|(k, d)| (*k, prefill2_smem(d)))
-            .chain(wide(&f32))
-            .chain(wide(&bf16))
+            .flat_map(|a| {
+                let p2 = a
+                    .attn_prefill2
+                    .iter()
+                    .zip([64, 128])
+                    .map(|(k, d)| (*k, prefill2_smem(d)));
+                let p3 = a
+                    .attn_prefill3
+                    .iter()
+                    .zip([64, 128])
+                    .map(|(k, d)| (*k, prefill3_smem(d)));
+                p2.chain(p3)
+            })
             .collect();
         // Kernels that need more than the device has are never launched (see
         // `attention::prefill_kernel`).
@@ -428,6 +417,7 @@ mod tests {
             "gemvbn_bf16w_n8_r1u8_bf16",
             "gemvba_bf16w_n1_r2u4_bf16",
             "attn_prefill_d128_f32",
+            "attn_prefill3_d128_bf16",
             "attn_decode_d64_g4_bf16",
             "topk_f32",
             "rms_norm_f32",
