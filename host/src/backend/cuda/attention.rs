@@ -209,7 +209,8 @@ const _: () = assert!(super::step::PREFILL_TILE * 2 == 128);
 /// rows first, the heads of one KV head side by side); the others the item as x, the head as y.
 /// The wide one falls back to the double-buffered kernel where it cannot run: more work items
 /// than a grid's y holds, the device's shared memory short, or a scale that is not positive
-/// (it takes the row maximum before scaling).
+/// (it takes the row maximum before scaling); the double-buffered one to the plain kernel where
+/// the device's shared memory is short of its 80 KB (at head dim 128).
 fn prefill_kernel(
     inner: &Inner,
     kern: &super::module::ActKernels,
@@ -232,7 +233,11 @@ fn prefill_kernel(
             }
         }
     }
-    (kern.attn_prefill2[pi], prefill2_smem(d) as u32, narrow, 128)
+    let smem = prefill2_smem(d);
+    if smem > inner.module.max_smem {
+        return (kern.attn_prefill[pi], 0, narrow, 128);
+    }
+    (kern.attn_prefill2[pi], smem as u32, narrow, 128)
 }
 
 /// Replaces the RoPE launches of `q` and then `k` just queued (same table and head size, the
