@@ -23,6 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/elementwise.cu"),
     ),
     ("gemv.cu", include_str!("../../../../kernels/gemv.cu")),
+    ("gemt.cu", include_str!("../../../../kernels/gemt.cu")),
     (
         "attention_decode.cu",
         include_str!("../../../../kernels/attention_decode.cu"),
@@ -126,6 +127,16 @@ pub fn prefill2_smem(d: usize) -> usize {
     (64 + 2 * 2 * 64) * d * 2
 }
 
+/// Token bounds of the skinny tensor-core GEMMs (`gemt_t*` in `kernels/gemt.cu`).
+pub const GEMT_TOKENS: [usize; 5] = [16, 24, 32, 48, 64];
+
+/// Dynamic shared memory of the skinny GEMM for `tokens` (a bound of [`GEMT_TOKENS`]): two
+/// activation chunks of 256 + 32 bf16 a token row (the partial sums, 132 f32 a token row,
+/// reuse them).
+pub fn gemt_smem(tokens: usize) -> usize {
+    (2 * tokens * (256 + 32) * 2).max(tokens * 132 * 4)
+}
+
 /// A kernel, by index into [`Module::funcs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KernelId(pub u16);
@@ -203,6 +214,10 @@ pub struct Module {
     /// By activation type (f32, bf16).
     pub deepseek: [DeepseekKernels; 2],
     pub moe_plan: KernelId,
+    /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
+    /// segments) and gate/up with SwiGLU.
+    pub gemt: [KernelId; 5],
+    pub gemt_swiglu: [KernelId; 5],
 }
 
 impl Module {
@@ -318,6 +333,29 @@ impl Module {
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
+        let mut gemt = [KernelId(0); 5];
+        let mut gemt_swiglu = [KernelId(0); 5];
+        for (i, t) in GEMT_TOKENS.iter().enumerate() {
+            gemt[i] = get(format!("gemt_t{t}"))?;
+            gemt_swiglu[i] = get(format!("gemts_t{t}"))?;
+        }
+        for (k, t) in gemt
+            .iter()
+            .chain(&gemt_swiglu)
+            .zip(GEMT_TOKENS.iter().cycle())
+        {
+            let f = funcs[k.0 as usize].cu_function();
+            // SAFETY: `f` is a kernel of the loaded module; at most 74 KB, within every
+            // sm_80+ device's opt-in limit.
+            unsafe {
+                cudarc::driver::result::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    gemt_smem(*t) as i32,
+                )
+            }
+            .map_err(|e| cuda_err("raising the skinny GEMM's shared memory limit", e))?;
+        }
         for (k, d) in f32
             .attn_prefill2
             .iter()
@@ -346,6 +384,8 @@ impl Module {
             weight_to_f32,
             deepseek,
             moe_plan,
+            gemt,
+            gemt_swiglu,
         })
     }
 
@@ -389,6 +429,8 @@ mod tests {
             "mla_decode_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
+            "gemt_t24",
+            "gemts_t64",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),
