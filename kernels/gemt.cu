@@ -1,17 +1,21 @@
 // Skinny GEMM on tensor cores for decode batches of 9..64 tokens: y[t, r] = sum_c W[r, c] x[t, c]
 // with bf16 weights and activations, f32 accumulation (mma.sync m16n8k16; the weight rows are
-// the M dimension, the tokens N). Bound by streaming the weights once, so the layout serves
-// the loads:
-// - A block of 8 warps owns GEMT_ROWS = 128 output rows (16 a warp) and one GEMT_SPLITS-th of
-//   k; the GEMT_SPLITS blocks of a row tile form a thread-block cluster and add their partial
-//   sums through distributed shared memory, in rank order (deterministic: a token's outputs do
-//   not depend on how many tokens ride along or on which block finishes first).
+// the M dimension, the tokens N). Meant to be bound by streaming the weights once:
+// - A block of 8 warps owns GEMT_ROWS = 128 output rows (16 a warp) and one `splits`-th of k;
+//   the `splits` blocks of a row tile (1, 2, 4 or 8, chosen at launch) form a thread-block
+//   cluster and add their partial sums through distributed shared memory, in rank order
+//   (deterministic: a token's outputs do not depend on how many tokens ride along or on which
+//   block finishes first).
 // - Each lane loads its weights with 16-byte loads straight into mma operands: the dot product
 //   does not care in which order k is visited, so lane (g, t) of a warp reads 8 consecutive
 //   weights of rows g and g + 8 at k0 + 8 t, and the activations of token g at the same k
-//   (one 16-byte shared-memory load serves two mmas). Eight such loads per lane are in flight.
+//   (one 16-byte shared-memory load serves two mmas). 8 to 16 such loads per lane are in
+//   flight (half a chunk ahead).
 // - The activations of the block's k range come through shared memory in chunks of GEMT_KC,
 //   double-buffered with cp.async (rows past n and k past the range are zero-filled).
+// Status (H200, Llama-3-8B batch 32, ncu with 8 splits): 1.7-1.9 TB/s, about half of what
+// cuBLAS reaches on the same products, with only ~30% of warp time stalled on global loads;
+// hence opt-in (DEEPINFER_CUDA_GEMT=1). See doc/benchmarks.md.
 // MODE GEMT_SWIGLU pairs gate and up (w0, w1 of equal rows): a block owns 64 gate rows (warps
 // 0-3) and the same 64 up rows (warps 4-7) and writes y1 = up, y0 = silu(gate) * up, each
 // rounded as the separate products and `silu_mul` round them.
