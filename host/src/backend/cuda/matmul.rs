@@ -1,6 +1,8 @@
 //! Linear layers `y = x W^T`. Up to [`GEMV_MAX_N`] tokens run through the GEMV kernels (one
 //! weight read for all tokens, any weight type; consecutive products of the same input share a
-//! launch). More tokens go to cuBLAS in the activations' type: bf16 activations take bf16
+//! launch). Up to [`GEMT_MAX_N`] tokens of bf16 weights and activations run through the skinny
+//! tensor-core GEMM (likewise one weight read, shared launches, and SwiGLU folded into the
+//! gate/up launch). More tokens go to cuBLAS in the activations' type: bf16 activations take bf16
 //! weights (other types expanded to a bf16 scratch first); f32 activations, chosen for
 //! quantized and f32 models where accuracy comes first, run plain f32 GEMMs (weights expanded
 //! to an f32 scratch), so no product rounds its inputs to bf16.
@@ -8,15 +10,17 @@
 use std::sync::Arc;
 
 use super::blas::{Gemm, GemmType};
-use super::module::{KernelId, GEMVB_SHAPES, GEMVB_TOKENS};
+use super::module::{gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS};
 use super::ops::check;
-use super::queue::{elementwise_grid, Gemv, Op, GEMV_SEGMENTS, GEMV_THREADS};
+use super::queue::{elementwise_grid, Gemt, Gemv, Op, GEMV_SEGMENTS, GEMV_THREADS};
 use super::weights::WType;
 use super::{Act, CudaBuf, CudaWeight, Inner};
 use crate::error::Result;
 
 /// Most tokens the GEMV kernels take (`GEMV_MAX_N` in `kernels/gemv.cu`).
 pub const GEMV_MAX_N: usize = 8;
+/// Most tokens the skinny tensor-core GEMMs take (`kernels/gemt.cu`).
+pub const GEMT_MAX_N: usize = 64;
 
 pub(crate) fn matmul(
     inner: &Arc<Inner>,
@@ -44,6 +48,17 @@ pub(crate) fn matmul(
     let act = inner.act();
     if n <= GEMV_MAX_N {
         gemv(inner, act, w, x, n, y);
+        return Ok(());
+    }
+    if inner.opts.gemt
+        && n <= GEMT_MAX_N
+        && act == Act::Bf16
+        && w.wtype == WType::Bf16
+        && w.cols.is_multiple_of(8)
+        && w.cols <= i32::MAX as usize
+        && w.rows <= i32::MAX as usize
+    {
+        gemt(inner, w, x, n, y);
         return Ok(());
     }
     let (ty, direct, expand, size) = match act {
@@ -259,4 +274,71 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
         }
         None => false,
     }
+}
+
+/// The skinny GEMM for `n` tokens (9..=[`GEMT_MAX_N`]): its token bound's index.
+fn gemt_bound(n: usize) -> usize {
+    GEMT_TOKENS
+        .iter()
+        .position(|&t| t >= n)
+        .unwrap_or(GEMT_TOKENS.len() - 1)
+}
+
+/// Queues a skinny GEMM, or appends it as a segment to the one just queued when that reads the
+/// same input with the same shape (Q/K/V, gate/up in one launch).
+fn gemt(inner: &Arc<Inner>, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) {
+    let seg = (w.ptr(), y.ptr(), w.rows);
+    let mut q = inner.queue();
+    if inner.opts.fuse {
+        if let Some(Op::Gemt(g)) = q.last_mut() {
+            let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr()) || y.ptr() == g.x;
+            if g.x == x.ptr()
+                && g.n == n
+                && g.k == w.cols
+                && g.row_bytes == w.row_bytes
+                && g.segs.len() < GEMV_SEGMENTS
+                && !g.swiglu
+                && !outputs_clash
+            {
+                g.segs.push(seg);
+                return;
+            }
+        }
+    }
+    let b = gemt_bound(n);
+    q.push(Op::Gemt(Gemt {
+        kernel: inner.module.gemt[b],
+        x: x.ptr(),
+        n,
+        k: w.cols,
+        row_bytes: w.row_bytes,
+        segs: vec![seg],
+        swiglu: false,
+        smem: gemt_smem(GEMT_TOKENS[b]) as u32,
+        splits: inner.opts.gemt_splits,
+    }));
+}
+
+/// Folds `gate = silu(gate) * up` (`n` values) into the skinny GEMM just queued when that one
+/// computes exactly `gate` and `up` from one input; true when it did.
+pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> bool {
+    if !inner.opts.fuse {
+        return false;
+    }
+    let mut q = inner.queue();
+    let Some(Op::Gemt(g)) = q.last_mut() else {
+        return false;
+    };
+    if g.swiglu
+        || g.segs.len() != 2
+        || g.segs[0].1 != gate
+        || g.segs[1].1 != up
+        || g.segs[0].2 != g.segs[1].2
+        || g.segs[0].2 * g.n != n
+    {
+        return false;
+    }
+    g.swiglu = true;
+    g.kernel = inner.module.gemt_swiglu[gemt_bound(g.n)];
+    true
 }

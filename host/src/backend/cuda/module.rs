@@ -23,6 +23,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/elementwise.cu"),
     ),
     ("gemv.cu", include_str!("../../../../kernels/gemv.cu")),
+    ("gemt.cu", include_str!("../../../../kernels/gemt.cu")),
     (
         "attention_decode.cu",
         include_str!("../../../../kernels/attention_decode.cu"),
@@ -135,6 +136,16 @@ pub fn prefill3_smem(d: usize) -> usize {
     (128 + 2 * 2 * 64) * d * 2
 }
 
+/// Token bounds of the skinny tensor-core GEMMs (`gemt_t*` in `kernels/gemt.cu`).
+pub const GEMT_TOKENS: [usize; 5] = [16, 24, 32, 48, 64];
+
+/// Dynamic shared memory of the skinny GEMM for `tokens` (a bound of [`GEMT_TOKENS`]): two
+/// activation chunks of 256 + 32 bf16 a token row (the partial sums, 132 f32 a token row,
+/// reuse them).
+pub fn gemt_smem(tokens: usize) -> usize {
+    (2 * tokens * (256 + 32) * 2).max(tokens * 132 * 4)
+}
+
 /// A kernel, by index into [`Module::funcs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KernelId(pub u16);
@@ -217,6 +228,10 @@ pub struct Module {
     pub moe_plan: KernelId,
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
+    /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
+    /// segments) and gate/up with SwiGLU.
+    pub gemt: [KernelId; 5],
+    pub gemt_swiglu: [KernelId; 5],
 }
 
 impl Module {
@@ -338,6 +353,17 @@ impl Module {
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
+        let mut gemt = [KernelId(0); 5];
+        let mut gemt_swiglu = [KernelId(0); 5];
+        for (i, t) in GEMT_TOKENS.iter().enumerate() {
+            gemt[i] = get(format!("gemt_t{t}"))?;
+            gemt_swiglu[i] = get(format!("gemts_t{t}"))?;
+        }
+        let gemt_bytes = gemt
+            .iter()
+            .chain(&gemt_swiglu)
+            .zip(GEMT_TOKENS.iter().cycle())
+            .map(|(k, t)| (*k, gemt_smem(*t)));
         let big_smem: Vec<(KernelId, usize)> = [&f32, &bf16]
             .iter()
             .flat_map(|a| {
@@ -353,9 +379,10 @@ impl Module {
                     .map(|(k, d)| (*k, prefill3_smem(d)));
                 p2.chain(p3)
             })
+            .chain(gemt_bytes)
             .collect();
         // Kernels that need more than the device has are never launched (see
-        // `attention::prefill_kernel`).
+        // `attention::prefill_kernel`; the skinny GEMMs, at most 74 KB, fit every sm_80+ device).
         for (k, bytes) in big_smem.into_iter().filter(|&(_, b)| b <= max_smem) {
             let f = funcs[k.0 as usize].cu_function();
             // SAFETY: `f` is a kernel of the loaded module; the value is within the device's
@@ -367,7 +394,7 @@ impl Module {
                     bytes as i32,
                 )
             }
-            .map_err(|e| cuda_err("raising the prefill kernel's shared memory limit", e))?;
+            .map_err(|e| cuda_err("raising a kernel's shared memory limit", e))?;
         }
         Ok(Module {
             funcs,
@@ -380,6 +407,8 @@ impl Module {
             weight_to_f32,
             deepseek,
             moe_plan,
+            gemt,
+            gemt_swiglu,
         })
     }
 
@@ -424,6 +453,8 @@ mod tests {
             "mla_decode_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
+            "gemt_t24",
+            "gemts_t64",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),

@@ -177,7 +177,7 @@ pub(crate) fn add_assign(inner: &Arc<Inner>, x: &mut CudaBuf, y: &CudaBuf) -> Re
 
 pub(crate) fn silu_mul(inner: &Arc<Inner>, gate: &mut CudaBuf, up: &CudaBuf) -> Result<()> {
     let n = gate.len.min(up.len);
-    if n > 0 {
+    if n > 0 && !super::matmul::fold_silu(inner, gate.ptr(), up.ptr(), n) {
         let k = inner.module.act(inner.act()).silu_mul;
         launch(
             inner,

@@ -46,6 +46,39 @@ pub struct Gemv {
     pub res: u64,
 }
 
+/// A skinny tensor-core GEMM (see `kernels/gemt.cu`): `n` tokens (9..=64) times up to three
+/// bf16 weights sharing the input, or a gate/up pair with SwiGLU folded in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Gemt {
+    pub kernel: KernelId,
+    pub x: u64,
+    pub n: usize,
+    pub k: usize,
+    pub row_bytes: usize,
+    /// (weight, output, rows).
+    pub segs: Vec<(u64, u64, usize)>,
+    /// Gate and up (two segments of equal rows): the first output becomes silu(gate) * up.
+    pub swiglu: bool,
+    /// Dynamic shared memory of the kernel, bytes.
+    pub smem: u32,
+    /// Blocks splitting k for one row tile (a thread-block cluster): 1, 2, 4 or 8.
+    pub splits: u32,
+}
+
+/// Output rows per block of [`Gemt`] (`GEMT_ROWS`).
+pub const GEMT_ROWS: usize = 128;
+
+impl Gemt {
+    /// Row tiles (the grid's y).
+    pub fn tiles(&self) -> usize {
+        if self.swiglu {
+            self.segs[0].2.div_ceil(GEMT_ROWS / 2)
+        } else {
+            self.segs.iter().map(|s| s.2.div_ceil(GEMT_ROWS)).sum()
+        }
+    }
+}
+
 /// One unit of device work.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -57,6 +90,7 @@ pub enum Op {
         args: Vec<u64>,
     },
     Gemv(Gemv),
+    Gemt(Gemt),
     /// `x += y` over `n` activations (kept apart so a following RMSNorm can absorb it).
     Add {
         kernel: KernelId,
@@ -223,6 +257,7 @@ fn launch(
     m: &Module,
     stream: &CudaStream,
     pdl: bool,
+    cluster: u32,
     kernel: KernelId,
     grid: [u32; 3],
     block: u32,
@@ -234,13 +269,28 @@ fn launch(
         .iter_mut()
         .map(|v| v as *mut u64 as *mut c_void)
         .collect();
-    if pdl {
-        // SAFETY: all-zero is a valid launch attribute; the id and value set below select
+    if pdl || cluster > 1 {
+        // SAFETY: all-zero is a valid launch attribute; the ids and values set below select
         // programmatic stream serialization, which every kernel of the module supports
-        // (`pdl_wait` in `kernels/common.cuh` before it reads earlier kernels' results).
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // (`pdl_wait` in `kernels/common.cuh` before it reads earlier kernels' results), and
+        // the cluster shape the kernel was written for.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        if pdl {
+            attrs[count].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[count].value.programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
+        if cluster > 1 {
+            attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[count].value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                x: cluster,
+                y: 1,
+                z: 1,
+            };
+            count += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid[0],
             gridDimY: grid[1],
@@ -250,10 +300,10 @@ fn launch(
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: count as u32,
         };
-        // SAFETY: as for `launch_kernel` below; `cfg` and `attr` outlive the call.
+        // SAFETY: as for `launch_kernel` below; `cfg` and `attrs` outlive the call.
         return unsafe {
             sys::cuLaunchKernelEx(
                 &cfg,
@@ -290,13 +340,14 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             block,
             smem,
             args,
-        } => launch(m, stream, pdl, *kernel, *grid, *block, *smem, args),
+        } => launch(m, stream, pdl, 1, *kernel, *grid, *block, *smem, args),
         Op::Add { kernel, x, y, n } => {
             let grid = elementwise_grid(*n);
             launch(
                 m,
                 stream,
                 pdl,
+                1,
                 *kernel,
                 [grid, 1, 1],
                 256,
@@ -329,10 +380,35 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
                 m,
                 stream,
                 pdl,
+                1,
                 g.kernel,
                 [rows.div_ceil(g.rows_per_block.max(1)) as u32, 1, 1],
                 GEMV_THREADS,
                 0,
+                &a,
+            )
+        }
+        Op::Gemt(g) => {
+            let mut a = [0u64; 14];
+            for (i, &(w, y, rows)) in g.segs.iter().enumerate() {
+                a[i] = w;
+                a[3 + i] = y;
+                a[6 + i] = rows as u64;
+            }
+            a[9] = g.x;
+            a[10] = g.n as u64;
+            a[11] = g.k as u64;
+            a[12] = g.row_bytes as u64;
+            a[13] = g.splits as u64;
+            launch(
+                m,
+                stream,
+                pdl,
+                g.splits,
+                g.kernel,
+                [g.splits, g.tiles() as u32, 1],
+                GEMV_THREADS,
+                g.smem,
                 &a,
             )
         }

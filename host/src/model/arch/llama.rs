@@ -207,8 +207,10 @@ impl<B: Backend> Llama<B> {
         let mut sel = be.zeros(m * d)?;
         be.gather_rows(&x, d, &batch.logits_for, &mut sel)?;
         let mut normed = be.zeros(m * d)?;
-        be.rms_norm(&sel, &self.norm, c.rms_eps, &mut normed)?;
+        // The logits buffer first, so that the norm's launch directly precedes the head's
+        // product (a backend may fold the two).
         let mut logits = be.zeros(m * c.vocab)?;
+        be.rms_norm(&sel, &self.norm, c.rms_eps, &mut normed)?;
         be.matmul(
             self.lm_head.as_ref().unwrap_or(&self.embed),
             &normed,
