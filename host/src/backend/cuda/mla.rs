@@ -182,6 +182,10 @@ pub(crate) fn attention(
         Act::F32 => 0,
         Act::Bf16 => 1,
     }];
+    // the V up-projection writes every row of `out`
+    if out.len == n * heads * d.v {
+        inner.drop_zeroing(out.ptr(), out.len * inner.act().size());
+    }
     let f = |v: f32| v.to_bits() as u64;
     launch(
         inner,

@@ -87,6 +87,10 @@ pub struct CudaOptions {
     pub fuse_add: bool,
     /// Fold the RoPE of queries and keys into the K/V cache write of attention (one launch).
     pub fuse_rope_kv: bool,
+    /// MoE layers of decode steps in three launches (routing with the norm before it and the
+    /// plan; expert gate/up with the shared experts; down with the combine and the residual
+    /// add), see `moe::forward_decode`.
+    pub fuse_moe: bool,
 }
 
 impl Default for CudaOptions {
@@ -103,6 +107,7 @@ impl Default for CudaOptions {
             fuse_norm: true,
             fuse_add: true,
             fuse_rope_kv: true,
+            fuse_moe: true,
         }
     }
 }
@@ -111,7 +116,7 @@ impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
-    /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered prefill attention).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -134,6 +139,7 @@ impl CudaOptions {
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
         o.fuse_rope_kv = !off("DEEPINFER_CUDA_FUSE_ROPE_KV");
+        o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             Some("2") => o.prefill_pipelined = true,
@@ -243,6 +249,14 @@ impl Inner {
             host_len: len,
             inner: self.clone(),
         })
+    }
+
+    /// Drops the zeroing of a fresh buffer `[ptr, ptr + bytes)` that the op about to be
+    /// queued overwrites whole (the memset `zeros` queued, if only memsets came after it).
+    fn drop_zeroing(&self, ptr: u64, bytes: usize) {
+        if self.opts.fuse {
+            self.queue().drop_memset(ptr, bytes);
+        }
     }
 
     /// Device length of a new per-token buffer of `n` values: while a padded step lives, a
@@ -451,10 +465,20 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, w: &CudaWeight, x: &CudaBuf, n_tokens: usize, y: &mut CudaBuf) -> Result<()> {
+        // an unpadded product writes all of `y`: its zeroing is dropped
+        if x.len == x.host_len && n_tokens > 0 && y.len == n_tokens * w.rows {
+            let size = self.inner.act().size();
+            self.inner.drop_zeroing(y.ptr(), y.len * size);
+        }
         matmul::matmul(&self.inner, w, x, n_tokens, y)
     }
 
     fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32, out: &mut CudaBuf) -> Result<()> {
+        // the norm writes every row of `out`
+        if w.rows == 1 && w.cols > 0 && x.len > 0 && out.len == x.len / w.cols * w.cols {
+            let size = self.inner.act().size();
+            self.inner.drop_zeroing(out.ptr(), out.len * size);
+        }
         ops::rms_norm(&self.inner, x, w, eps, out)
     }
 

@@ -179,6 +179,12 @@ pub struct DeepseekKernels {
     pub moe_gateup: [[KernelId; 2]; 2],
     pub moe_down: [[KernelId; 2]; 2],
     pub moe_combine: KernelId,
+    /// Decode steps (`moe_*_dec`): routing with the norm and the plan folded in, and the
+    /// expert products with the shared experts as further slots, by weight type (f32, bf16)
+    /// and tokens (1, 8).
+    pub moe_route_dec: KernelId,
+    pub moe_gu_dec: [[KernelId; 2]; 2],
+    pub moe_down_dec: [[KernelId; 2]; 2],
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -314,6 +320,15 @@ impl Module {
                     [n("moe_down_wbf16_t1")?, n("moe_down_wbf16_t8")?],
                 ],
                 moe_combine: n("moe_combine")?,
+                moe_route_dec: n("moe_route_dec")?,
+                moe_gu_dec: [
+                    [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
+                    [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
+                ],
+                moe_down_dec: [
+                    [n("moe_down_dec_wf32_n1")?, n("moe_down_dec_wf32_n8")?],
+                    [n("moe_down_dec_wbf16_n1")?, n("moe_down_dec_wbf16_n8")?],
+                ],
             })
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
@@ -389,6 +404,8 @@ mod tests {
             "mla_decode_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
+            "moe_route_dec_bf16",
+            "moe_down_dec_wbf16_n8_bf16",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),
