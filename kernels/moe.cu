@@ -58,6 +58,25 @@ __device__ __forceinline__ void moe_gate8(int wt, const u8* p, float* o) {
     }
 }
 
+// moe_gate8 in two steps: the raw 16 (f32: 32) bytes, then the conversion.
+__device__ __forceinline__ void moe_gate_cvt(int wt, const uint4* raw, float* o) {
+    if (wt == WT_F32) {
+        o[0] = __uint_as_float(raw[0].x); o[1] = __uint_as_float(raw[0].y);
+        o[2] = __uint_as_float(raw[0].z); o[3] = __uint_as_float(raw[0].w);
+        o[4] = __uint_as_float(raw[1].x); o[5] = __uint_as_float(raw[1].y);
+        o[6] = __uint_as_float(raw[1].z); o[7] = __uint_as_float(raw[1].w);
+    } else if (wt == WT_BF16) {
+        bf16x8_to_f32(raw[0], o);
+    } else {
+        const u32 w[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            o[2 * i] = f16_to_f32((f16_t)(w[i] & 0xffffu));
+            o[2 * i + 1] = f16_to_f32((f16_t)(w[i] >> 16));
+        }
+    }
+}
+
 // One warp scores a token's router logits sc[0, E) in place and picks its top K as the host's
 // `moe::route` (correction bias, group limit, normalization, scaling): experts chosen[j] with
 // weights wsel[j], written by lane 0. ch, taken, gs and gtaken are its scratch (shared memory).
@@ -440,10 +459,30 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     const int nch = d >> 3;
     const int wb = gate_wt == WT_F32 ? 4 : 2;
     pdl_launch_dependents();
-    // The gate rows are no earlier kernel's output: on their way to L2 before the wait.
-    for (int c = tid; c < nch; c += blockDim.x)
+    // The first chunk of each gate row is no earlier kernel's output: loaded before the wait
+    // (raw), the rest on its way to L2.
+    uint4 graw[MOED_EPB][2];
+#pragma unroll
+    for (int i = 0; i < MOED_EPB; i++) {
+        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
+        if (i < ne && tid < nch) {
+            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
+            graw[i][0] = p[0];
+            if (gate_wt == WT_F32) graw[i][1] = p[1];
+        }
+    }
+    for (int c = tid + blockDim.x; c < nch; c += blockDim.x)
         for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
     pdl_wait();
+    // What the last block needs of expert tid, loaded early by every block (any may be last).
+    u64 my_ptr[3] = {0, 0, 0};
+    unsigned long long my_total = 0;
+    if (tid < E) {
+        my_ptr[0] = ptrs[tid];
+        my_ptr[1] = ptrs[E + tid];
+        my_ptr[2] = ptrs[2 * E + tid];
+        my_total = totals[tid];
+    }
     if (gain != nullptr) {
         float ss[MOED_MAXN];
 #pragma unroll
@@ -490,8 +529,15 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     for (int c = tid; c < nch; c += blockDim.x) {
         float wv[MOED_EPB][8];
 #pragma unroll
-        for (int i = 0; i < MOED_EPB; i++)
-            if (i < ne) moe_gate8(gate_wt, gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb, wv[i]);
+        for (int i = 0; i < MOED_EPB; i++) {
+            if (i < ne) {
+                if (c == tid) {
+                    moe_gate_cvt(gate_wt, graw[i], wv[i]);
+                } else {
+                    moe_gate8(gate_wt, gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb, wv[i]);
+                }
+            }
+        }
 #pragma unroll
         for (int t = 0; t < MOED_MAXN; t++) {
             if (t < n) {
@@ -559,11 +605,11 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     }
     if (e < E) {
         last[e] = (unsigned)c;
-        totals[e] += (unsigned long long)c;
+        totals[e] = my_total + (unsigned long long)c;
         if (c > 0) {
-            slot_ptr[3 * s] = ptrs[e];
-            slot_ptr[3 * s + 1] = ptrs[E + e];
-            slot_ptr[3 * s + 2] = ptrs[2 * E + e];
+            slot_ptr[3 * s] = my_ptr[0];
+            slot_ptr[3 * s + 1] = my_ptr[1];
+            slot_ptr[3 * s + 2] = my_ptr[2];
             slot_cnt[s] = c;
             int i = 0;
             for (int t = 0; t < n; t++)
@@ -720,28 +766,22 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
             swt[q][i] = 1.0f;
         }
     }
-    __shared__ int n_act;
-    if (tid == 0) n_act = 0;
-    __syncthreads();
-    // the slots with tokens are [0, n_active): one thread sees the boundary
-    for (int s = tid; s < n_routed; s += blockDim.x)
-        if (slot_cnt[s] > 0 && (s + 1 == n_routed || slot_cnt[s + 1] == 0)) n_act = s + 1;
-    __syncthreads();
-    const int n_active = n_act;
-    for (int s = tid; s < n_active; s += blockDim.x) {
-        const int q = n_shared + s;
-        const int c = slot_cnt[s];
+    // Routed slot tid (blockDim >= n_routed); those with tokens are [0, n_active).
+    int c = 0;
+    if (tid < n_routed) {
+        const int s = tid, q = n_shared + s;
+        c = slot_cnt[s];
         sp[q] = reinterpret_cast<const WT*>(slot_ptr[3 * s + 2]) + (long)r0 * inter;
         sld[q] = inter;
         scnt[q] = c;
         shrow[q] = s * N;
 #pragma unroll
         for (int i = 0; i < N; i++) {
-            stok[q][i] = i < c ? slot_tok[s * MOED_MAXN + i] : 0;
-            swt[q][i] = i < c ? slot_wt[s * MOED_MAXN + i] : 0.0f;
+            stok[q][i] = slot_tok[s * MOED_MAXN + i];
+            swt[q][i] = slot_wt[s * MOED_MAXN + i];
         }
     }
-    __syncthreads();
+    const int n_active = __syncthreads_count(c > 0);
     const int S = n_shared + n_active;
     const int steps = S * iters;
     if (n_shared == 0 && steps > 0 && tid < nch) {

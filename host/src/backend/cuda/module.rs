@@ -170,7 +170,6 @@ pub struct ActKernels {
 /// are by weight type (f32, bf16).
 #[derive(Debug, Clone)]
 pub struct DeepseekKernels {
-    pub mla_prep: KernelId,
     pub mla_q_absorb: [KernelId; 2],
     pub mla_decode: KernelId,
     pub mla_v_up: [KernelId; 2],
@@ -306,7 +305,6 @@ impl Module {
         let mut ds = |s: &str| -> Result<DeepseekKernels> {
             let mut n = |b: &str| get(format!("{b}_{s}"));
             Ok(DeepseekKernels {
-                mla_prep: n("mla_prep")?,
                 mla_q_absorb: [n("mla_q_absorb_wf32")?, n("mla_q_absorb_wbf16")?],
                 mla_decode: n("mla_decode")?,
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],

@@ -490,7 +490,11 @@ fn forward_decode(
     );
     // threads: the 16-byte chunks of an expert row, at least 64, at most 256
     let chunks = inter / if st.wi == 0 { 4 } else { 8 };
-    let threads = chunks.next_multiple_of(32).clamp(64, DEC_THREADS as usize) as u32;
+    // (and at least one per routed slot: each loads its slot's table entry)
+    let threads = chunks
+        .max(slots)
+        .next_multiple_of(32)
+        .clamp(64, DEC_THREADS as usize) as u32;
     launch(
         inner,
         kern.moe_down_dec[st.wi][ti],
