@@ -2,11 +2,11 @@
 //
 // The cache of a layer is [blocks * block_size, W] values of the activation type T, W = latent
 // (`r`) + rope (`dr`): per token the RMS-normalized KV latent and the rotated shared rope key.
-// A step runs four kernels:
-//   mla_prep      normalizes the new latents, rotates the rope key and the queries' rope parts
-//                 by position, writes the cache rows;
+// A step runs three kernels:
 //   mla_q_absorb  projects each head's nope query into latent space with the K half of
-//                 kv_b_proj (q_lat = W_UK^T q_nope) and appends the rope query: qf [n, H, W] f32;
+//                 kv_b_proj (q_lat = W_UK^T q_nope) and appends the rope query rotated by
+//                 position: qf [n, H, W] f32; its rope blocks of head 0 also write the new
+//                 tokens' cache rows (normalized latent, rotated rope key);
 //   mla_decode    attends qf over the cached rows, split-KV over the context; one block serves
 //                 up to 16 heads of one token, so each latent row is loaded once for all of them
 //                 (FlashMLA's idea: the step is memory-bound on the latent, not on the heads);
@@ -33,12 +33,11 @@ __device__ __forceinline__ void mla_rot_pair(float& x, float& y, float f, int po
     y = y0 * c + x0 * s;
 }
 
+// Token t's cache row: the RMS-normalized latent and the rotated rope key (whole block; `red`
+// holds 32 floats).
 template <typename T>
-__device__ void mla_prep_impl(T* cache, T* q, const T* kva, const float* gain, const float* inv_freq,
-                              const long* slots, const int* positions, int r, int dr, int heads, int nope,
-                              float eps, float rs, int interleaved) {
-    __shared__ float red[32];
-    const int t = blockIdx.x;
+__device__ void mla_cache_row(T* cache, const T* kva, const float* gain, const float* inv_freq, long slot, int pos,
+                              int t, int r, int dr, float eps, float rs, int interleaved, float* red) {
     const int W = r + dr;
     const T* row = kva + (long)t * W;
     float ss = 0.0f;
@@ -48,26 +47,15 @@ __device__ void mla_prep_impl(T* cache, T* q, const T* kva, const float* gain, c
     }
     ss = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(ss / (float)r + eps);
-    T* dst = cache + slots[t] * (long)W;
+    T* dst = cache + slot * (long)W;
     for (int c = threadIdx.x; c < r; c += blockDim.x) act_store(dst, c, gain[c] * (act_load(row, c) * inv));
     const int half = dr / 2;
-    const int pos = positions[t];
-    // pair i of the rope key (one extra "head"), then of every query head
-    for (int e = threadIdx.x; e < (heads + 1) * half; e += blockDim.x) {
-        const int h = e / half, i = e % half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        if (h == 0) {
-            float x = act_load(row, r + a), y = act_load(row, r + b);
-            mla_rot_pair(x, y, inv_freq[i], pos, rs);
-            act_store(dst, r + a, x);
-            act_store(dst, r + b, y);
-        } else {
-            T* qh = q + ((long)t * heads + (h - 1)) * (nope + dr) + nope;
-            float x = act_load(qh, a), y = act_load(qh, b);
-            mla_rot_pair(x, y, inv_freq[i], pos, rs);
-            act_store(qh, a, x);
-            act_store(qh, b, y);
-        }
+        float x = act_load(row, r + a), y = act_load(row, r + b);
+        mla_rot_pair(x, y, inv_freq[i], pos, rs);
+        act_store(dst, r + a, x);
+        act_store(dst, r + b, y);
     }
 }
 
@@ -80,18 +68,46 @@ __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to
 // split the nope rows and their partial sums meet in shared memory.
 template <typename T, typename WT>
 __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int heads, int nope, int dr, int v,
-                                  int r) {
+                                  int r, T* cache, const T* kva, const float* gain, const float* inv_freq,
+                                  const long* slots, const int* positions, float eps, float rs, int interleaved) {
     __shared__ float qs[8][MLA_MAXNOPE];
     __shared__ float part[4][8][64];
+    __shared__ float red[32];
     const int h = blockIdx.x;
     const int t0 = blockIdx.y * 8;
     const int nt = min(8, n - t0);
     const int W = r + dr, qk = nope + dr;
+    const int cl = threadIdx.x & 63, jg = threadIdx.x >> 6;
+    const int c = blockIdx.z * 64 + cl;
+    // This thread's weights (rows jg, jg + 4, ... of column c) are no earlier kernel's
+    // output: loaded before the wait.
+    float wv[MLA_MAXNOPE / 4];
+    const bool wcol = (int)blockIdx.z < (r + 63) / 64 && c < r;
+    const WT* wh = w + (long)h * (nope + v) * r + c;
+#pragma unroll
+    for (int i = 0; i < MLA_MAXNOPE / 4; i++) {
+        const int j = jg + 4 * i;
+        wv[i] = (wcol && j < nope) ? mla_w(wh, (long)j * r) : 0.0f;
+    }
+    pdl_wait();
     if ((int)blockIdx.z == (r + 63) / 64) {
-        for (int e = threadIdx.x; e < nt * dr; e += blockDim.x) {
-            const int i = e / dr, c = e % dr;
-            qf[((long)(t0 + i) * heads + h) * W + r + c] = act_load(q, ((long)(t0 + i) * heads + h) * qk + nope + c);
+        // the rope queries, rotated by position; head 0's blocks also write the cache rows
+        const int half = dr / 2;
+        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+            const int i = e / half, p = e % half;
+            const int t = t0 + i;
+            const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+            const T* qh = q + ((long)t * heads + h) * qk + nope;
+            float x = act_load(qh, a), y = act_load(qh, b);
+            mla_rot_pair(x, y, inv_freq[p], positions[t], rs);
+            float* o = qf + ((long)t * heads + h) * W + r;
+            o[a] = x;
+            o[b] = y;
         }
+        if (h == 0)
+            for (int i = 0; i < nt; i++)
+                mla_cache_row<T>(cache, kva, gain, inv_freq, slots[t0 + i], positions[t0 + i], t0 + i, r, dr, eps, rs,
+                                 interleaved, red);
         return;
     }
     for (int e = threadIdx.x; e < 8 * nope; e += blockDim.x) {
@@ -99,18 +115,17 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
         qs[i][j] = i < nt ? act_load(q, ((long)(t0 + i) * heads + h) * qk + j) : 0.0f;
     }
     __syncthreads();
-    const int cl = threadIdx.x & 63, jg = threadIdx.x >> 6;
-    const int c = blockIdx.z * 64 + cl;
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     if (c < r) {
-        const WT* wh = w + (long)h * (nope + v) * r + c;
-#pragma unroll 8
-        for (int j = jg; j < nope; j += 4) {
-            const float wv = mla_w(wh, (long)j * r);
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[i] = fmaf(qs[i][j], wv, acc[i]);
+        for (int q = 0; q < MLA_MAXNOPE / 4; q++) {
+            const int j = jg + 4 * q;
+            if (j < nope) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = fmaf(qs[i][j], wv[q], acc[i]);
+            }
         }
     }
 #pragma unroll
@@ -144,6 +159,13 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
     const int k0 = s * chunk;
     const int k1 = min(len, k0 + chunk);
     const int* table = tables + (long)tok_seq[t] * table_width;
+    // The step's positions and block tables are uploaded before its kernels run: the first
+    // tile's cache slots are looked up before the wait (the cache rows are read after it).
+    if ((int)threadIdx.x < min(MLA_TK, k1 - k0)) {  // an empty split (k1 <= k0) looks up nothing
+        const int j = k0 + threadIdx.x;
+        slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+    }
+    pdl_wait();
 
     float qv[MLA_HPW][MLA_NPL], acc[MLA_HPW][MLA_NPL], m[MLA_HPW], l[MLA_HPW];
     bool has[MLA_HPW];
@@ -162,10 +184,12 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
     }
     for (int j0 = k0; j0 < k1; j0 += MLA_TK) {
         const int nk = min(MLA_TK, k1 - j0);
-        __syncthreads();
-        if (threadIdx.x < nk) {
-            const int j = j0 + threadIdx.x;
-            slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+        if (j0 != k0) {
+            __syncthreads();
+            if (threadIdx.x < nk) {
+                const int j = j0 + threadIdx.x;
+                slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+            }
         }
         __syncthreads();
         if (W % 8 == 0) {
@@ -235,6 +259,23 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
     __shared__ float inv_l;
     const int h = blockIdx.x, t = blockIdx.y;
     const long row = (long)t * heads + h;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    // bf16 weights: this warp's rows loaded before the wait (no earlier kernel writes them)
+    constexpr bool PRE = sizeof(WT) == 2;
+    const bool pre = PRE && r % 8 == 0;
+    uint4 wraw[MLA_VROWS / 8][3];
+#pragma unroll
+    for (int k = 0; k < MLA_VROWS / 8; k++) {
+        const int j = blockIdx.z * MLA_VROWS + k * nw + warp;
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
+            const int c = lane * 8 + 256 * i;
+            wraw[k][i] = make_uint4(0, 0, 0, 0);
+            if (pre && j < v && c < r)
+                wraw[k][i] = *reinterpret_cast<const uint4*>(w + ((long)h * (nope + v) + nope + j) * r + c);
+        }
+    }
+    pdl_wait();
     if ((int)threadIdx.x < splits) {
         ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
         ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
@@ -255,19 +296,29 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
     __syncthreads();
     for (int c = threadIdx.x; c < r; c += blockDim.x) {
         float o = 0.0f;
-#pragma unroll 4
+#pragma unroll 16
         for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
         ol[c] = o * inv_l;
     }
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
 #pragma unroll
     for (int k = 0; k < MLA_VROWS / 8; k++) {
         const int j = blockIdx.z * MLA_VROWS + k * nw + warp;
         if (j >= v) continue;
         const WT* wr = w + ((long)h * (nope + v) + nope + j) * r;
         float acc = 0.0f;
-        if (r % 8 == 0) {
+        if (pre) {
+#pragma unroll
+            for (int i = 0; i < 3; i++) {
+                const int c = lane * 8 + 256 * i;
+                if (c < r) {
+                    float wv[8];
+                    bf16x8_to_f32(wraw[k][i], wv);
+#pragma unroll
+                    for (int z = 0; z < 8; z++) acc = fmaf(wv[z], ol[c + z], acc);
+                }
+            }
+        } else if (r % 8 == 0) {
 #pragma unroll 4
             for (int c = lane * 8; c < r; c += 256) {
                 float wv[8];
@@ -284,38 +335,38 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
 }
 
 #define MLA_WRAPPERS(T, S)                                                                                           \
-    extern "C" __global__ void mla_prep_##S(T* cache, T* q, const T* kva, const float* gain, const float* inv_freq,  \
-                                            const long* slots, const int* positions, int r, int dr, int heads,      \
-                                            int nope, float eps, float rs, int interleaved) {                       \
-        PDL_ENTRY();                                                                                                 \
-        mla_prep_impl<T>(cache, q, kva, gain, inv_freq, slots, positions, r, dr, heads, nope, eps, rs, interleaved); \
+    extern "C" __global__ void mla_q_absorb_wf32_##S(                                                                \
+        float* qf, const T* q, const float* w, int n, int heads, int nope, int dr, int v, int r, T* cache,           \
+        const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
+        float rs, int interleaved) {                                                                                 \
+        pdl_launch_dependents();                                                                                     \
+        mla_q_absorb_impl<T, float>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
+                                 eps, rs, interleaved);                                                              \
     }                                                                                                                \
-    extern "C" __global__ void mla_q_absorb_wf32_##S(float* qf, const T* q, const float* w, int n, int heads,       \
-                                                     int nope, int dr, int v, int r) {                               \
-        PDL_ENTRY();                                                                                                 \
-        mla_q_absorb_impl<T, float>(qf, q, w, n, heads, nope, dr, v, r);                                             \
-    }                                                                                                                \
-    extern "C" __global__ void mla_q_absorb_wbf16_##S(float* qf, const T* q, const bf16_t* w, int n, int heads,     \
-                                                      int nope, int dr, int v, int r) {                              \
-        PDL_ENTRY();                                                                                                 \
-        mla_q_absorb_impl<T, bf16_t>(qf, q, w, n, heads, nope, dr, v, r);                                            \
+    extern "C" __global__ void mla_q_absorb_wbf16_##S(                                                               \
+        float* qf, const T* q, const bf16_t* w, int n, int heads, int nope, int dr, int v, int r, T* cache,          \
+        const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
+        float rs, int interleaved) {                                                                                 \
+        pdl_launch_dependents();                                                                                     \
+        mla_q_absorb_impl<T, bf16_t>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
+                                 eps, rs, interleaved);                                                              \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32)                                                     \
         mla_decode_##S(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,           \
-                       const int* positions, const int* tables, int table_width, int block_size, int heads, int r,  \
+                       const int* positions, const int* tables, int table_width, int block_size, int heads, int r,   \
                        int dr, float scale_log2, int splits) {                                                       \
-        PDL_ENTRY();                                                                                                 \
-        mla_decode_impl<T>(part_o, part_ml, qf, cache, tok_seq, positions, tables, table_width, block_size, heads,  \
+        pdl_launch_dependents();                                                                                     \
+        mla_decode_impl<T>(part_o, part_ml, qf, cache, tok_seq, positions, tables, table_width, block_size, heads,   \
                            r, dr, scale_log2, splits);                                                               \
     }                                                                                                                \
-    extern "C" __global__ void mla_v_up_wf32_##S(T* out, const float* part_o, const float* part_ml, const float* w, \
+    extern "C" __global__ void mla_v_up_wf32_##S(T* out, const float* part_o, const float* part_ml, const float* w,  \
                                                  int heads, int nope, int v, int r, int splits) {                    \
-        PDL_ENTRY();                                                                                                 \
+        pdl_launch_dependents();                                                                                     \
         mla_v_up_impl<T, float>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                 \
     }                                                                                                                \
-    extern "C" __global__ void mla_v_up_wbf16_##S(T* out, const float* part_o, const float* part_ml,                \
+    extern "C" __global__ void mla_v_up_wbf16_##S(T* out, const float* part_o, const float* part_ml,                 \
                                                   const bf16_t* w, int heads, int nope, int v, int r, int splits) {  \
-        PDL_ENTRY();                                                                                                 \
+        pdl_launch_dependents();                                                                                     \
         mla_v_up_impl<T, bf16_t>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                \
     }
 

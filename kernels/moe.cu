@@ -58,44 +58,32 @@ __device__ __forceinline__ void moe_gate8(int wt, const u8* p, float* o) {
     }
 }
 
-// Block per token: router logits in f32 (one warp per expert at a time, 8-value loads when
-// the row allows), then warp 0 scores, masks groups and picks the top k.
-template <typename T>
-__device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* gate, int gate_wt, long gate_row_bytes,
-                               const float* bias, int d, int E, int K, int score, int n_group, int topk_group,
-                               int norm, float scaling) {
-    __shared__ float sc[MOE_MAX_EXPERTS];
-    __shared__ float ch[MOE_MAX_EXPERTS];
-    __shared__ unsigned char taken[MOE_MAX_EXPERTS];
-    __shared__ float gs[64];
-    __shared__ unsigned char gtaken[64];
-    __shared__ int chosen[64];
-    const int t = blockIdx.x;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    const T* xr = x + (long)t * d;
-    const bool vec = (d % 8 == 0) && (gate_wt == WT_F32 || gate_wt == WT_BF16 || gate_wt == WT_F16) &&
-                     (gate_row_bytes % 16 == 0);
-    for (int e = warp; e < E; e += nw) {
-        float acc = 0.0f;
-        if (vec) {
-            const int wb = gate_wt == WT_F32 ? 4 : 2;
-            const u8* row = gate + (long)e * gate_row_bytes;
-#pragma unroll 4
-            for (int c = lane * 8; c < d; c += 256) {
-                float wv[8], xv[8];
-                moe_gate8(gate_wt, row + (long)c * wb, wv);
-                act_load8(xr + c, xv);
+// moe_gate8 in two steps: the raw 16 (f32: 32) bytes, then the conversion.
+__device__ __forceinline__ void moe_gate_cvt(int wt, const uint4* raw, float* o) {
+    if (wt == WT_F32) {
+        o[0] = __uint_as_float(raw[0].x); o[1] = __uint_as_float(raw[0].y);
+        o[2] = __uint_as_float(raw[0].z); o[3] = __uint_as_float(raw[0].w);
+        o[4] = __uint_as_float(raw[1].x); o[5] = __uint_as_float(raw[1].y);
+        o[6] = __uint_as_float(raw[1].z); o[7] = __uint_as_float(raw[1].w);
+    } else if (wt == WT_BF16) {
+        bf16x8_to_f32(raw[0], o);
+    } else {
+        const u32 w[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
 #pragma unroll
-                for (int z = 0; z < 8; z++) acc = fmaf(xv[z], wv[z], acc);
-            }
-        } else {
-            for (int c = lane; c < d; c += 32) acc = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc);
+        for (int i = 0; i < 4; i++) {
+            o[2 * i] = f16_to_f32((f16_t)(w[i] & 0xffffu));
+            o[2 * i + 1] = f16_to_f32((f16_t)(w[i] >> 16));
         }
-        acc = warp_sum(acc);
-        if (lane == 0) sc[e] = acc;
     }
-    __syncthreads();
-    if (warp != 0) return;
+}
+
+// One warp scores a token's router logits sc[0, E) in place and picks its top K as the host's
+// `moe::route` (correction bias, group limit, normalization, scaling): experts chosen[j] with
+// weights wsel[j], written by lane 0. ch, taken, gs and gtaken are its scratch (shared memory).
+__device__ void moe_pick(float* sc, float* ch, unsigned char* taken, float* gs, unsigned char* gtaken, int* chosen,
+                         float* wsel, const float* bias, int E, int K, int score, int n_group, int topk_group,
+                         int norm, float scaling) {
+    const int lane = threadIdx.x & 31;
     if (score == SCORE_SOFTMAX) {
         float mx = NEG_INF;
         for (int e = lane; e < E; e += 32) mx = fmaxf(mx, sc[e]);
@@ -162,8 +150,56 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
         for (int j = 0; j < K; j++) {
             float w = sc[chosen[j]];
             if (norm) w /= sum + 1e-20f;
+            wsel[j] = w * scaling;
+        }
+    }
+}
+
+// Block per token: router logits in f32 (one warp per expert at a time, 8-value loads when
+// the row allows), then warp 0 scores, masks groups and picks the top k.
+template <typename T>
+__device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* gate, int gate_wt, long gate_row_bytes,
+                               const float* bias, int d, int E, int K, int score, int n_group, int topk_group,
+                               int norm, float scaling) {
+    __shared__ float sc[MOE_MAX_EXPERTS];
+    __shared__ float ch[MOE_MAX_EXPERTS];
+    __shared__ unsigned char taken[MOE_MAX_EXPERTS];
+    __shared__ float gs[64];
+    __shared__ unsigned char gtaken[64];
+    __shared__ int chosen[64];
+    __shared__ float wsel[64];
+    const int t = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const T* xr = x + (long)t * d;
+    const bool vec = (d % 8 == 0) && (gate_wt == WT_F32 || gate_wt == WT_BF16 || gate_wt == WT_F16) &&
+                     (gate_row_bytes % 16 == 0);
+    for (int e = warp; e < E; e += nw) {
+        float acc = 0.0f;
+        if (vec) {
+            const int wb = gate_wt == WT_F32 ? 4 : 2;
+            const u8* row = gate + (long)e * gate_row_bytes;
+#pragma unroll 4
+            for (int c = lane * 8; c < d; c += 256) {
+                float wv[8], xv[8];
+                moe_gate8(gate_wt, row + (long)c * wb, wv);
+                act_load8(xr + c, xv);
+#pragma unroll
+                for (int z = 0; z < 8; z++) acc = fmaf(xv[z], wv[z], acc);
+            }
+        } else {
+            for (int c = lane; c < d; c += 32) acc = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) sc[e] = acc;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    moe_pick(sc, ch, taken, gs, gtaken, chosen, wsel, bias, E, K, score, n_group, topk_group, norm, scaling);
+    __syncwarp();
+    if (lane == 0) {
+        for (int j = 0; j < K; j++) {
             ids[(long)t * K + j] = chosen[j];
-            weights[(long)t * K + j] = w * scaling;
+            weights[(long)t * K + j] = wsel[j];
         }
     }
 }
@@ -324,3 +360,531 @@ __device__ void moe_combine_impl(T* out, const float* y, const float* weights, c
 
 MOE_WRAPPERS(float, f32)
 MOE_WRAPPERS(bf16_t, bf16)
+
+// ---- Decode steps (up to MOED_MAXN tokens): three launches a layer ----
+//
+//   moe_route_dec  blocks of MOED_EPB experts: each block normalizes the tokens (the RMSNorm
+//                  before the layer, when folded in: every block computes the tokens' scales,
+//                  each writes a slice of the normalized rows h) and computes its experts'
+//                  router logits; the last block to finish (arrival counter, which it leaves
+//                  zeroed) routes every token (one warp each), updates the load counters and
+//                  writes the slot table: slot s = the s-th selected expert in id order, its
+//                  gate/up/down addresses, its tokens (in order) and their routing weights;
+//   moe_gu_dec     block (slot, R rows): h[s, i, r] = silu(gate_e[r] . x[tok_i]) * (up_e[r] .
+//                  x[tok_i]) for the slot's tokens; the shared experts are further slots of
+//                  `inter` rows each, which know their weights before the routing is done and
+//                  stream their first rows before waiting for it;
+//   moe_down_dec   block (R output rows) over every slot, shared ones first:
+//                  out[t, r] = sum_slots w * (down_e[r] . h[s, i]) for the slot's token t,
+//                  shared weights 1, and optionally res[t, r] += out[t, r] (the residual add).
+// Each thread owns 16-byte chunks of weight rows and issues all of a step's loads before using
+// any; partial sums meet in shared memory.
+
+#define MOED_THREADS 256
+#define MOED_MAXN 8        // tokens
+#define MOED_MAXE 256      // experts
+#define MOED_MAXS 64       // routed slots
+#define MOED_MAXSH 16      // shared slots
+#define MOED_EPB 4         // experts per routing block
+#define MOED_R 4           // rows per block of the expert products
+
+__device__ __forceinline__ uint4 moe_ld16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void moe_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// 16 bytes of weights as floats (CE of them) and CE activations.
+template <typename WT>
+struct MoeChunk;
+template <>
+struct MoeChunk<bf16_t> {
+    static constexpr int CE = 8;
+    static __device__ __forceinline__ void cvt(uint4 v, float* o) { bf16x8_to_f32(v, o); }
+};
+template <>
+struct MoeChunk<float> {
+    static constexpr int CE = 4;
+    static __device__ __forceinline__ void cvt(uint4 v, float* o) {
+        o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
+        o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
+    }
+};
+__device__ __forceinline__ void moe_act_load(const float* p, float* o, int ce) {
+    if (ce == 8) {
+        act_load8(p, o);
+    } else {
+        const float4 a = *reinterpret_cast<const float4*>(p);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    }
+}
+__device__ __forceinline__ void moe_act_load(const bf16_t* p, float* o, int ce) {
+    if (ce == 8) {
+        act_load8(p, o);
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        o[0] = __uint_as_float(v.x << 16); o[1] = __uint_as_float(v.x & 0xffff0000u);
+        o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ float moe_round(const float*, float v) { return v; }
+__device__ __forceinline__ float moe_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+template <typename T>
+__device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok,
+                                   float* slot_wt, unsigned long long* totals, unsigned* last, T* h, const T* x,
+                                   const float* gain, float eps, const u8* gate, int gate_wt, long gate_row_bytes,
+                                   const float* bias, const u64* ptrs, int d, int E, int K, int n, int score,
+                                   int n_group, int topk_group, int norm, float scaling, int n_slots) {
+    __shared__ float red[MOED_THREADS / 32][MOED_EPB * MOED_MAXN];
+    __shared__ float rstd[MOED_MAXN];
+    __shared__ int is_last;
+    __shared__ float sc[MOED_MAXN][MOED_MAXE];
+    __shared__ float ch[MOED_MAXN][MOED_MAXE];
+    __shared__ unsigned char taken[MOED_MAXN][MOED_MAXE];
+    __shared__ float gs[MOED_MAXN][64];
+    __shared__ unsigned char gtaken[MOED_MAXN][64];
+    __shared__ int chosen[MOED_MAXN][64];
+    __shared__ float wsel[MOED_MAXN][64];
+    __shared__ int wcount[MOED_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int e0 = blockIdx.x * MOED_EPB;
+    const int ne = min(MOED_EPB, E - e0);
+    const int nch = d >> 3;
+    const int wb = gate_wt == WT_F32 ? 4 : 2;
+    pdl_launch_dependents();
+    // The first chunk of each gate row is no earlier kernel's output: loaded before the wait
+    // (raw), the rest on its way to L2.
+    uint4 graw[MOED_EPB][2];
+#pragma unroll
+    for (int i = 0; i < MOED_EPB; i++) {
+        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
+        if (i < ne && tid < nch) {
+            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
+            graw[i][0] = p[0];
+            if (gate_wt == WT_F32) graw[i][1] = p[1];
+        }
+    }
+    for (int c = tid + blockDim.x; c < nch; c += blockDim.x)
+        for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
+    pdl_wait();
+    // What the last block needs of expert tid, loaded early by every block (any may be last).
+    u64 my_ptr[3] = {0, 0, 0};
+    unsigned long long my_total = 0;
+    if (tid < E) {
+        my_ptr[0] = ptrs[tid];
+        my_ptr[1] = ptrs[E + tid];
+        my_ptr[2] = ptrs[2 * E + tid];
+        my_total = totals[tid];
+    }
+    if (gain != nullptr) {
+        float ss[MOED_MAXN];
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) ss[t] = 0.0f;
+        for (int c = tid; c < nch; c += blockDim.x) {
+#pragma unroll
+            for (int t = 0; t < MOED_MAXN; t++) {
+                if (t < n) {
+                    float v[8];
+                    act_load8(x + (long)t * d + c * 8, v);
+#pragma unroll
+                    for (int j = 0; j < 8; j++) ss[t] = fmaf(v[j], v[j], ss[t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) {
+            if (t < n) {
+                const float s = warp_sum(ss[t]);
+                if (lane == 0) red[warp][t] = s;
+            }
+        }
+        __syncthreads();
+        if (tid < n) {
+            float s = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w][tid];
+            rstd[tid] = 1.0f / sqrtf(s / (float)d + eps);
+        }
+        __syncthreads();
+        // this block's slice of the normalized rows, as the RMSNorm kernel writes them
+        for (long i = (long)blockIdx.x * blockDim.x + tid; i < (long)n * nch; i += (long)gridDim.x * blockDim.x) {
+            const int t = (int)(i / nch), c = (int)(i % nch);
+            float v[8];
+            act_load8(x + (long)t * d + c * 8, v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) act_store(h, (long)t * d + c * 8 + j, v[j] * rstd[t] * gain[c * 8 + j]);
+        }
+    }
+    float acc[MOED_EPB][MOED_MAXN];
+#pragma unroll
+    for (int i = 0; i < MOED_EPB; i++)
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) acc[i][t] = 0.0f;
+    for (int c = tid; c < nch; c += blockDim.x) {
+        float wv[MOED_EPB][8];
+#pragma unroll
+        for (int i = 0; i < MOED_EPB; i++) {
+            if (i < ne) {
+                if (c == tid) {
+                    moe_gate_cvt(gate_wt, graw[i], wv[i]);
+                } else {
+                    moe_gate8(gate_wt, gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb, wv[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) {
+            if (t < n) {
+                float xv[8];
+                act_load8(x + (long)t * d + c * 8, xv);
+                if (gain != nullptr) {
+#pragma unroll
+                    for (int j = 0; j < 8; j++) xv[j] = moe_round(x, xv[j] * rstd[t] * gain[c * 8 + j]);
+                }
+#pragma unroll
+                for (int i = 0; i < MOED_EPB; i++)
+                    if (i < ne)
+#pragma unroll
+                        for (int j = 0; j < 8; j++) acc[i][t] = fmaf(xv[j], wv[i][j], acc[i][t]);
+            }
+        }
+    }
+    __syncthreads();  // red is reused
+#pragma unroll
+    for (int i = 0; i < MOED_EPB; i++)
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) {
+            if (i < ne && t < n) {
+                const float s = warp_sum(acc[i][t]);
+                if (lane == 0) red[warp][i * MOED_MAXN + t] = s;
+            }
+        }
+    __syncthreads();
+    if (tid < MOED_EPB * MOED_MAXN) {
+        const int i = tid / MOED_MAXN, t = tid % MOED_MAXN;
+        if (i < ne && t < n) {
+            float s = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w][tid];
+            logits[(long)t * E + e0 + i] = s;
+        }
+    }
+    // The last block to arrive routes every token.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (warp < n) {
+        for (int e = lane; e < E; e += 32) sc[warp][e] = ld_cg(logits + (long)warp * E + e);
+        __syncwarp();
+        moe_pick(sc[warp], ch[warp], taken[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias, E, K, score,
+                 n_group, topk_group, norm, scaling);
+    }
+    __syncthreads();
+    // Tokens per expert, each selected expert's slot (its rank among the selected ones).
+    const int e = tid;
+    int c = 0;
+    if (e < E)
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < K; j++) c += chosen[t][j] == e;
+    const unsigned bal = __ballot_sync(0xffffffffu, c > 0);
+    if (lane == 0) wcount[warp] = __popc(bal);
+    __syncthreads();
+    int s = __popc(bal & ((1u << lane) - 1u));
+    int n_active = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+        if (w < warp) s += wcount[w];
+        n_active += wcount[w];
+    }
+    if (e < E) {
+        last[e] = (unsigned)c;
+        totals[e] = my_total + (unsigned long long)c;
+        if (c > 0) {
+            slot_ptr[3 * s] = my_ptr[0];
+            slot_ptr[3 * s + 1] = my_ptr[1];
+            slot_ptr[3 * s + 2] = my_ptr[2];
+            slot_cnt[s] = c;
+            int i = 0;
+            for (int t = 0; t < n; t++)
+                for (int j = 0; j < K; j++)
+                    if (chosen[t][j] == e) {
+                        slot_tok[s * MOED_MAXN + i] = t;
+                        slot_wt[s * MOED_MAXN + i] = wsel[t][j];
+                        i++;
+                    }
+        }
+    }
+    for (int q = n_active + tid; q < n_slots; q += blockDim.x) slot_cnt[q] = 0;
+    if (tid == 0) *counter = 0u;
+}
+
+template <typename T, typename WT, int N>
+__device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const int* slot_cnt, const int* slot_tok,
+                                const WT* sh_gate, const WT* sh_up, int n_routed, int n, int d, int inter) {
+    constexpr int R = MOED_R;
+    constexpr int CE = MoeChunk<WT>::CE;
+    __shared__ float red[MOED_THREADS / 32][2 * R * N];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int s = blockIdx.x;
+    const int r0 = blockIdx.y * R;
+    const int nr = min(R, inter - r0);
+    pdl_launch_dependents();
+    const bool shared_slot = s >= n_routed;
+    const WT* wg;
+    const WT* wu;
+    int cnt;
+    int tok[N];
+    if (shared_slot) {
+        const long q = s - n_routed;
+        wg = sh_gate + (q * inter + r0) * (long)d;
+        wu = sh_up + (q * inter + r0) * (long)d;
+        cnt = n;
+#pragma unroll
+        for (int i = 0; i < N; i++) tok[i] = i;
+    } else {
+        pdl_wait();
+        cnt = slot_cnt[s];
+        if (cnt == 0) return;
+        wg = reinterpret_cast<const WT*>(slot_ptr[3 * s]) + (long)r0 * d;
+        wu = reinterpret_cast<const WT*>(slot_ptr[3 * s + 1]) + (long)r0 * d;
+#pragma unroll
+        for (int i = 0; i < N; i++) tok[i] = i < cnt ? slot_tok[s * MOED_MAXN + i] : 0;
+    }
+    bool waited = !shared_slot;
+    float g[R][N], u[R][N];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) g[i][t] = u[i][t] = 0.0f;
+    const int nch = d / CE;
+    for (int c = tid; c < nch; c += blockDim.x) {
+        uint4 rg[R], ru[R];
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            if (i < nr) {
+                rg[i] = moe_ld16(wg + (long)i * d + (long)c * CE);
+                ru[i] = moe_ld16(wu + (long)i * d + (long)c * CE);
+            } else {
+                rg[i] = ru[i] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (!waited) {
+            pdl_wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            if (t < cnt) {
+                float xv[CE];
+                moe_act_load(x + (long)tok[t] * d + (long)c * CE, xv, CE);
+#pragma unroll
+                for (int i = 0; i < R; i++) {
+                    float wf[CE];
+                    MoeChunk<WT>::cvt(rg[i], wf);
+#pragma unroll
+                    for (int j = 0; j < CE; j++) g[i][t] = fmaf(wf[j], xv[j], g[i][t]);
+                    MoeChunk<WT>::cvt(ru[i], wf);
+#pragma unroll
+                    for (int j = 0; j < CE; j++) u[i][t] = fmaf(wf[j], xv[j], u[i][t]);
+                }
+            }
+        }
+    }
+    if (!waited) pdl_wait();
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            if (t < cnt) {
+                const float a = warp_sum(g[i][t]), b = warp_sum(u[i][t]);
+                if (lane == 0) {
+                    red[warp][(i * N + t) * 2] = a;
+                    red[warp][(i * N + t) * 2 + 1] = b;
+                }
+            }
+        }
+    __syncthreads();
+    if (tid < R * N) {
+        const int i = tid / N, t = tid % N;
+        if (i < nr && t < cnt) {
+            float a = 0.0f, b = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+                a += red[w][tid * 2];
+                b += red[w][tid * 2 + 1];
+            }
+            act_store(hout, ((long)s * N + t) * inter + r0 + i, a / (1.0f + expf(-a)) * b);
+        }
+    }
+}
+
+template <typename T, typename WT, int N>
+__device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,
+                                  const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,
+                                  int n_shared, int n, int d, int inter) {
+    constexpr int R = MOED_R;
+    constexpr int CE = MoeChunk<WT>::CE;
+    __shared__ const WT* sp[MOED_MAXS + MOED_MAXSH];
+    __shared__ long sld[MOED_MAXS + MOED_MAXSH];
+    __shared__ int scnt[MOED_MAXS + MOED_MAXSH];
+    __shared__ int shrow[MOED_MAXS + MOED_MAXSH];
+    __shared__ int stok[MOED_MAXS + MOED_MAXSH][N];
+    __shared__ float swt[MOED_MAXS + MOED_MAXSH][N];
+    __shared__ float red[MOED_THREADS / 32][R * N];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r0 = blockIdx.x * R;
+    const int nr = min(R, d - r0);
+    const int nch = inter / CE;
+    const int iters = (nch + blockDim.x - 1) / blockDim.x;
+    const long sh_ld = (long)n_shared * inter;
+    pdl_launch_dependents();
+    // The first shared slot's rows before the wait.
+    uint4 cur[R], nxt[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) cur[i] = nxt[i] = make_uint4(0, 0, 0, 0);
+    if (n_shared > 0 && tid < nch) {
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (i < nr) cur[i] = moe_ld16(sh_down + (long)(r0 + i) * sh_ld + (long)tid * CE);
+    }
+    pdl_wait();
+    // Slot table: shared slots first, then the routed slots with tokens (slots [0, n_active)).
+    for (int q = tid; q < n_shared; q += blockDim.x) {
+        sp[q] = sh_down + (long)r0 * sh_ld + (long)q * inter;
+        sld[q] = sh_ld;
+        scnt[q] = n;
+        shrow[q] = (n_routed + q) * N;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            stok[q][i] = i;
+            swt[q][i] = 1.0f;
+        }
+    }
+    // Routed slot tid (blockDim >= n_routed); those with tokens are [0, n_active).
+    int c = 0;
+    if (tid < n_routed) {
+        const int s = tid, q = n_shared + s;
+        c = slot_cnt[s];
+        sp[q] = reinterpret_cast<const WT*>(slot_ptr[3 * s + 2]) + (long)r0 * inter;
+        sld[q] = inter;
+        scnt[q] = c;
+        shrow[q] = s * N;
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            stok[q][i] = slot_tok[s * MOED_MAXN + i];
+            swt[q][i] = slot_wt[s * MOED_MAXN + i];
+        }
+    }
+    const int n_active = __syncthreads_count(c > 0);
+    const int S = n_shared + n_active;
+    const int steps = S * iters;
+    if (n_shared == 0 && steps > 0 && tid < nch) {
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (i < nr) cur[i] = moe_ld16(sp[0] + (long)i * sld[0] + (long)tid * CE);
+    }
+    float acc[R][N];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) acc[i][t] = 0.0f;
+    for (int k = 0; k < steps; k++) {
+        // next step's rows in flight while this one is used
+        if (k + 1 < steps) {
+            const int q = (k + 1) / iters;
+            const int c = tid + ((k + 1) % iters) * blockDim.x;
+            if (c < nch) {
+#pragma unroll
+                for (int i = 0; i < R; i++)
+                    if (i < nr) nxt[i] = moe_ld16(sp[q] + (long)i * sld[q] + (long)c * CE);
+            }
+        }
+        const int q = k / iters;
+        const int c = tid + (k % iters) * blockDim.x;
+        if (c < nch) {
+            float wf[R][CE];
+#pragma unroll
+            for (int i = 0; i < R; i++) MoeChunk<WT>::cvt(cur[i], wf[i]);
+            const int cnt = scnt[q];
+#pragma unroll
+            for (int a = 0; a < N; a++) {
+                if (a < cnt) {
+                    float hv[CE];
+                    moe_act_load(h + (long)(shrow[q] + a) * inter + (long)c * CE, hv, CE);
+                    const float w = swt[q][a];
+                    const int tk = stok[q][a];
+#pragma unroll
+                    for (int i = 0; i < R; i++) {
+                        float p = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < CE; j++) p = fmaf(wf[i][j], hv[j], p);
+#pragma unroll
+                        for (int t = 0; t < N; t++)
+                            if (t == tk) acc[i][t] = fmaf(w, p, acc[i][t]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < R; i++) cur[i] = nxt[i];
+    }
+#pragma unroll
+    for (int i = 0; i < R; i++)
+#pragma unroll
+        for (int t = 0; t < N; t++) {
+            if (t < n) {
+                const float v = warp_sum(acc[i][t]);
+                if (lane == 0) red[warp][i * N + t] = v;
+            }
+        }
+    __syncthreads();
+    if (tid < R * N) {
+        const int i = tid / N, t = tid % N;
+        if (i < nr && t < n) {
+            float v = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += red[w][tid];
+            const long o = (long)t * d + r0 + i;
+            act_store(out, o, v);
+            if (res != nullptr) act_store(res, o, act_load(res, o) + moe_round(out, v));
+        }
+    }
+}
+
+#define MOE_DEC_WRAPPERS(T, S, WT, WS, N)                                                                            \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
+        moe_gu_dec_##WS##_n##N##_##S(T* hout, const T* x, const u64* slot_ptr, const int* slot_cnt,                 \
+                                     const int* slot_tok, const WT* sh_gate, const WT* sh_up, int n_routed, int n,  \
+                                     int d, int inter) {                                                             \
+        moe_gu_dec_impl<T, WT, N>(hout, x, slot_ptr, slot_cnt, slot_tok, sh_gate, sh_up, n_routed, n, d, inter);     \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
+        moe_down_dec_##WS##_n##N##_##S(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,        \
+                                       const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,  \
+                                       int n_shared, int n, int d, int inter) {                                     \
+        moe_down_dec_impl<T, WT, N>(out, res, h, slot_ptr, slot_cnt, slot_tok, slot_wt, sh_down, n_routed, n_shared, \
+                                    n, d, inter);                                                                    \
+    }
+
+#define MOE_DEC_ALL(T, S)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_dec_##S(                                    \
+        float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
+        unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
+        int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
+        int n_group, int topk_group, int norm, float scaling, int n_slots) {                                        \
+        moe_route_dec_impl<T>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt, totals, last, h, x, gain, eps, \
+                              gate, gate_wt, gate_row_bytes, bias, ptrs, d, E, K, n, score, n_group, topk_group,    \
+                              norm, scaling, n_slots);                                                               \
+    }                                                                                                                \
+    MOE_DEC_WRAPPERS(T, S, float, wf32, 1)                                                                           \
+    MOE_DEC_WRAPPERS(T, S, float, wf32, 8)                                                                           \
+    MOE_DEC_WRAPPERS(T, S, bf16_t, wbf16, 1)                                                                         \
+    MOE_DEC_WRAPPERS(T, S, bf16_t, wbf16, 8)
+
+MOE_DEC_ALL(float, f32)
+MOE_DEC_ALL(bf16_t, bf16)

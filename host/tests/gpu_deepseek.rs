@@ -25,7 +25,7 @@ mod gpu {
     use deepinfer::model::mla::{MlaDims, MlaParams, MlaPath, MlaWeights};
     use deepinfer::model::moe::{Mlp, MoeLayer, Router, RouterConfig, ScoreFunc};
     use deepinfer::model::CausalLm;
-    use deepinfer::tensor::Weight;
+    use deepinfer::tensor::{Bytes, DType, Weight};
 
     use super::deepseek_ref::{
         bf16_copy, data, max_err, mtp_against_reference, prefill, reference, Reference,
@@ -33,12 +33,18 @@ mod gpu {
     use super::util::Rng;
 
     fn cuda(act: Option<Act>) -> Option<CudaBackend> {
+        cuda_with(act, true)
+    }
+
+    /// A backend with the MoE decode kernels on or off.
+    fn cuda_with(act: Option<Act>, fuse_moe: bool) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
             eprintln!("skipped: {why}");
             return None;
         }
         let opts = CudaOptions {
             act,
+            fuse_moe,
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
@@ -305,6 +311,20 @@ mod gpu {
         }
     }
 
+    /// A bf16 weight of these values (rounded).
+    fn bf16_weight(rows: usize, cols: usize, v: &[f32]) -> Weight {
+        let bytes = v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        Weight {
+            dtype: DType::BF16,
+            rows,
+            cols,
+            data: Bytes::Owned(std::sync::Arc::new(bytes)),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn moe_layer<B: Backend>(
         be: &B,
@@ -316,10 +336,39 @@ mod gpu {
         d: usize,
         inter: usize,
     ) -> MoeLayer<B::Weight> {
+        moe_layer_of(
+            be,
+            cfg,
+            host,
+            gate,
+            bias,
+            shared,
+            d,
+            inter,
+            2,
+            Weight::from_f32,
+        )
+    }
+
+    /// A layer whose expert matrices are made by `make` (rows, cols, values); the shared
+    /// experts are `shared_mult` experts wide.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_layer_of<B: Backend>(
+        be: &B,
+        cfg: &RouterConfig,
+        host: &[(Vec<f32>, Vec<f32>, Vec<f32>)],
+        gate: &[f32],
+        bias: Option<Vec<f32>>,
+        shared: Option<&(Vec<f32>, Vec<f32>, Vec<f32>)>,
+        d: usize,
+        inter: usize,
+        shared_mult: usize,
+        make: fn(usize, usize, &[f32]) -> Weight,
+    ) -> MoeLayer<B::Weight> {
         let mlp = |m: &(Vec<f32>, Vec<f32>, Vec<f32>), w: usize| Mlp {
-            gate: be.prepare_weight(&Weight::from_f32(w, d, &m.0)).unwrap(),
-            up: be.prepare_weight(&Weight::from_f32(w, d, &m.1)).unwrap(),
-            down: be.prepare_weight(&Weight::from_f32(d, w, &m.2)).unwrap(),
+            gate: be.prepare_weight(&make(w, d, &m.0)).unwrap(),
+            up: be.prepare_weight(&make(w, d, &m.1)).unwrap(),
+            down: be.prepare_weight(&make(d, w, &m.2)).unwrap(),
             inter: w,
         };
         MoeLayer::new(
@@ -331,7 +380,7 @@ mod gpu {
                 bias,
             },
             host.iter().map(|m| mlp(m, inter)).collect(),
-            shared.map(|m| mlp(m, 2 * inter)),
+            shared.map(|m| mlp(m, shared_mult * inter)),
         )
         .unwrap()
     }
@@ -386,7 +435,7 @@ mod gpu {
                 inter,
             );
             let lc = moe_layer(&cpu, &cfg, &experts, &gate, bias, Some(&shared), d, inter);
-            for n in [1usize, 5, 37] {
+            for n in [1usize, 2, 5, 8, 37] {
                 let x = rng.vec(n * d, 1.0);
                 let tokens = vec![0u32; n];
                 let xg = be.upload(&x).unwrap();
@@ -405,6 +454,123 @@ mod gpu {
                 assert_eq!(a.total, b.total);
                 assert_eq!(a.last_step.iter().sum::<u64>(), (n * top_k) as u64);
             }
+        }
+    }
+
+    /// One decode-sized MoE block as the model queues it: RMSNorm of the residual, the layer,
+    /// the residual add (on CUDA the decode kernels fold the norm and the add in).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_block<B: Backend>(
+        be: &B,
+        layer: &MoeLayer<B::Weight>,
+        gain: &B::Weight,
+        raw: &[f32],
+        res: &[f32],
+        n: usize,
+        d: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let x = be.upload(raw).unwrap();
+        let mut r = be.upload(res).unwrap();
+        let mut h = be.zeros(n * d).unwrap();
+        be.rms_norm(&x, gain, 1e-6, &mut h).unwrap();
+        let mut f = be.zeros(n * d).unwrap();
+        be.moe(layer, &h, &vec![0; n], n, d, &mut f).unwrap();
+        be.add_assign(&mut r, &f).unwrap();
+        (be.to_host(&r).unwrap(), be.to_host(&f).unwrap())
+    }
+
+    #[test]
+    fn moe_decode_kernels_with_bf16_experts_fold_the_norm_and_the_add() {
+        let Some(be) = cuda(Some(Act::F32)) else {
+            return;
+        };
+        let bf = cuda(Some(Act::Bf16)).expect("a second backend");
+        let bf_plain = cuda_with(Some(Act::Bf16), false).expect("a third backend");
+        let mut rng = Rng::fresh("moe_decode");
+        // odd widths: 33 chunks of 8 per row, 5 per expert row, 3 shared slots
+        let (d, inter, e) = (264, 40, 20);
+        let cfg = RouterConfig {
+            n_experts: e,
+            top_k: 6,
+            score: ScoreFunc::Sigmoid,
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: true,
+            scaling: 2.4,
+        };
+        let experts: Vec<_> = (0..e)
+            .map(|_| {
+                (
+                    rng.vec(inter * d, 0.2),
+                    rng.vec(inter * d, 0.2),
+                    rng.vec(d * inter, 0.2),
+                )
+            })
+            .collect();
+        let shared = (
+            rng.vec(3 * inter * d, 0.2),
+            rng.vec(3 * inter * d, 0.2),
+            rng.vec(d * 3 * inter, 0.2),
+        );
+        let gate = rng.vec(e * d, 0.3);
+        let bias = Some(rng.vec(e, 0.1));
+        let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+        let cpu = CpuBackend::new(2);
+        let lc = moe_layer_of(
+            &cpu,
+            &cfg,
+            &experts,
+            &gate,
+            bias.clone(),
+            Some(&shared),
+            d,
+            inter,
+            3,
+            bf16_weight,
+        );
+        let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
+        let mut gpu = Vec::new();
+        for b in [&be, &bf, &bf_plain] {
+            let l = moe_layer_of(
+                b,
+                &cfg,
+                &experts,
+                &gate,
+                bias.clone(),
+                Some(&shared),
+                d,
+                inter,
+                3,
+                bf16_weight,
+            );
+            let g = b.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
+            gpu.push((l, g));
+        }
+        for n in [1usize, 3, 8] {
+            let raw = rng.vec(n * d, 1.0);
+            let res = rng.vec(n * d, 1.0);
+            let (want, want_f) = moe_block(&cpu, &lc, &gc, &raw, &res, n, d);
+            // f32 activations: against the CPU
+            let (got, got_f) = moe_block(&be, &gpu[0].0, &gpu[0].1, &raw, &res, n, d);
+            let (err, err_f) = (max_err(&got, &want, d), max_err(&got_f, &want_f, d));
+            eprintln!("bf16 experts, f32 activations, {n} tokens: {err:.2e} (layer {err_f:.2e})");
+            assert!(err < 1e-4 && err_f < 1e-4, "{n} tokens: {err:e} {err_f:e}");
+            let (a, c) = (
+                be.expert_load(&gpu[0].0).unwrap(),
+                cpu.expert_load(&lc).unwrap(),
+            );
+            assert_eq!(a.last_step, c.last_step, "tokens per expert");
+            assert_eq!(a.total, c.total);
+            // bf16 activations: the decode kernels against the general ones
+            let (got, got_f) = moe_block(&bf, &gpu[1].0, &gpu[1].1, &raw, &res, n, d);
+            let (plain, plain_f) = moe_block(&bf_plain, &gpu[2].0, &gpu[2].1, &raw, &res, n, d);
+            let (err, err_f) = (max_err(&got, &plain, d), max_err(&got_f, &plain_f, d));
+            eprintln!("bf16 activations, {n} tokens, fused vs not: {err:.2e} (layer {err_f:.2e}); vs the CPU {:.2e}", max_err(&got, &want, d));
+            assert!(err < 3e-2 && err_f < 3e-2, "{n} tokens: {err:e} {err_f:e}");
+            assert_eq!(
+                bf.expert_load(&gpu[1].0).unwrap().last_step,
+                bf_plain.expert_load(&gpu[2].0).unwrap().last_step
+            );
         }
     }
 }

@@ -295,12 +295,34 @@ impl<W> Mlp<W> {
         n: usize,
         out: &mut B::Buf,
     ) -> Result<()> {
+        let g = self.gated(be, x, n)?;
+        be.matmul(&self.down, &g, n, out)
+    }
+
+    /// `mlp(x)` for `n` rows into a new buffer of `n * d` (`d` the output width), made just
+    /// before the product that writes it.
+    pub fn apply<B: Backend<Weight = W>>(
+        &self,
+        be: &B,
+        x: &B::Buf,
+        n: usize,
+        d: usize,
+    ) -> Result<B::Buf> {
+        let g = self.gated(be, x, n)?;
+        let mut out = be.zeros(n * d)?;
+        be.matmul(&self.down, &g, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// `silu(gate x) * up x`, each product's output made just before it (the two products
+    /// stay back to back, so a backend may run them in one launch).
+    fn gated<B: Backend<Weight = W>>(&self, be: &B, x: &B::Buf, n: usize) -> Result<B::Buf> {
         let mut g = be.zeros(n * self.inter)?;
-        let mut u = be.zeros(n * self.inter)?;
         be.matmul(&self.gate, x, n, &mut g)?;
+        let mut u = be.zeros(n * self.inter)?;
         be.matmul(&self.up, x, n, &mut u)?;
         be.silu_mul(&mut g, &u)?;
-        be.matmul(&self.down, &g, n, out)
+        Ok(g)
     }
 }
 

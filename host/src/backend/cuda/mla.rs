@@ -1,7 +1,7 @@
 //! Multi-head latent attention on the device (`kernels/mla.cu`): the paged latent cache and
-//! the launcher of one layer's attention (prep, query absorption, split-KV decode over the
-//! latents, merge + V up-projection). It checks shapes and queues launches; it must not know
-//! about checkpoints.
+//! the launcher of one layer's attention (query absorption with the cache write, split-KV
+//! decode over the latents, merge + V up-projection). It checks shapes and queues launches;
+//! it must not know about checkpoints.
 //!
 //! The cache holds, per layer, `[(1 + num_blocks) * block_size, latent + rope]` values of the
 //! activation type: f32 for f32 models (so the tiny fp32 checkpoints agree with the CPU to
@@ -182,29 +182,11 @@ pub(crate) fn attention(
         Act::F32 => 0,
         Act::Bf16 => 1,
     }];
+    // the V up-projection writes every row of `out`
+    if out.len == n * heads * d.v {
+        inner.drop_zeroing(out.ptr(), out.len * inner.act().size());
+    }
     let f = |v: f32| v.to_bits() as u64;
-    launch(
-        inner,
-        k.mla_prep,
-        [n as u32, 1, 1],
-        256,
-        vec![
-            cache,
-            q.ptr(),
-            kva.ptr(),
-            w.kv_a_norm.ptr(),
-            w.inv_freq.ptr(),
-            step.slots(),
-            step.positions(),
-            r as u64,
-            dr as u64,
-            heads as u64,
-            d.nope as u64,
-            f(p.eps),
-            f(p.rope_scale),
-            p.interleaved as u64,
-        ],
-    );
     let qf = inner.scratch(n * heads * width, 4)?;
     launch(
         inner,
@@ -225,6 +207,15 @@ pub(crate) fn attention(
             dr as u64,
             d.v as u64,
             r as u64,
+            cache,
+            kva.ptr(),
+            w.kv_a_norm.ptr(),
+            w.inv_freq.ptr(),
+            step.slots(),
+            step.positions(),
+            f(p.eps),
+            f(p.rope_scale),
+            p.interleaved as u64,
         ],
     );
     let groups = heads.div_ceil(MLA_HEADS);

@@ -109,6 +109,10 @@ pub struct CudaOptions {
     /// Blocks (a thread-block cluster) splitting k for each row tile of those GEMMs: 1, 2, 4
     /// or 8 (batch-32 step: 7.80, 6.57 and 7.87 ms for 2, 4 and 8).
     pub gemt_splits: u32,
+    /// MoE layers of decode steps in three launches (routing with the norm before it and the
+    /// plan; expert gate/up with the shared experts; down with the combine and the residual
+    /// add), see `moe::forward_decode`.
+    pub fuse_moe: bool,
 }
 
 impl Default for CudaOptions {
@@ -127,6 +131,7 @@ impl Default for CudaOptions {
             fuse_rope_kv: true,
             gemt: false,
             gemt_splits: 4,
+            fuse_moe: true,
         }
     }
 }
@@ -135,10 +140,10 @@ impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
-    /// `DEEPINFER_CUDA_FUSE_ROPE_KV` (`0` turns them off), `DEEPINFER_CUDA_GEMT` (`1` turns
-    /// it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`, `8`), `DEEPINFER_CUDA_FUSE2` (`1`
-    /// turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain, `2`: double-buffered, `3`: wide, the
-    /// default; see [`PrefillKernel`]).
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off),
+    /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
+    /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
+    /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
         match std::env::var("DEEPINFER_CUDA_ACT").ok().as_deref() {
@@ -174,6 +179,7 @@ impl CudaOptions {
                 }
             };
         }
+        o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             None | Some("") => {}
@@ -290,6 +296,14 @@ impl Inner {
             host_len: len,
             inner: self.clone(),
         })
+    }
+
+    /// Drops the zeroing of a fresh buffer `[ptr, ptr + bytes)` that the op about to be
+    /// queued overwrites whole (the memset `zeros` queued, if only memsets came after it).
+    fn drop_zeroing(&self, ptr: u64, bytes: usize) {
+        if self.opts.fuse {
+            self.queue().drop_memset(ptr, bytes);
+        }
     }
 
     /// Device length of a new per-token buffer of `n` values: while a padded step lives, a
@@ -498,10 +512,32 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, w: &CudaWeight, x: &CudaBuf, n_tokens: usize, y: &mut CudaBuf) -> Result<()> {
+        // A product writes every row it runs (the padding rows of a padded step too, as
+        // `matmul::matmul` decides): when that is all of `y`, its zeroing is dropped, the same
+        // way for padded and unpadded steps (so both fold the same neighbours).
+        let rows = if x.len > x.host_len
+            && x.host_len == n_tokens * w.cols
+            && w.cols > 0
+            && x.len.is_multiple_of(w.cols)
+            && y.len >= x.len / w.cols * w.rows
+        {
+            x.len / w.cols
+        } else {
+            n_tokens
+        };
+        if rows > 0 && w.rows > 0 && y.len == rows * w.rows {
+            let size = self.inner.act().size();
+            self.inner.drop_zeroing(y.ptr(), y.len * size);
+        }
         matmul::matmul(&self.inner, w, x, n_tokens, y)
     }
 
     fn rms_norm(&self, x: &CudaBuf, w: &CudaWeight, eps: f32, out: &mut CudaBuf) -> Result<()> {
+        // the norm writes every row of `out`
+        if w.rows == 1 && w.cols > 0 && x.len > 0 && out.len == x.len / w.cols * w.cols {
+            let size = self.inner.act().size();
+            self.inner.drop_zeroing(out.ptr(), out.len * size);
+        }
         ops::rms_norm(&self.inner, x, w, eps, out)
     }
 

@@ -193,7 +193,6 @@ pub struct ActKernels {
 /// are by weight type (f32, bf16).
 #[derive(Debug, Clone)]
 pub struct DeepseekKernels {
-    pub mla_prep: KernelId,
     pub mla_q_absorb: [KernelId; 2],
     pub mla_decode: KernelId,
     pub mla_v_up: [KernelId; 2],
@@ -202,6 +201,12 @@ pub struct DeepseekKernels {
     pub moe_gateup: [[KernelId; 2]; 2],
     pub moe_down: [[KernelId; 2]; 2],
     pub moe_combine: KernelId,
+    /// Decode steps (`moe_*_dec`): routing with the norm and the plan folded in, and the
+    /// expert products with the shared experts as further slots, by weight type (f32, bf16)
+    /// and tokens (1, 8).
+    pub moe_route_dec: KernelId,
+    pub moe_gu_dec: [[KernelId; 2]; 2],
+    pub moe_down_dec: [[KernelId; 2]; 2],
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -335,7 +340,6 @@ impl Module {
         let mut ds = |s: &str| -> Result<DeepseekKernels> {
             let mut n = |b: &str| get(format!("{b}_{s}"));
             Ok(DeepseekKernels {
-                mla_prep: n("mla_prep")?,
                 mla_q_absorb: [n("mla_q_absorb_wf32")?, n("mla_q_absorb_wbf16")?],
                 mla_decode: n("mla_decode")?,
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
@@ -349,6 +353,15 @@ impl Module {
                     [n("moe_down_wbf16_t1")?, n("moe_down_wbf16_t8")?],
                 ],
                 moe_combine: n("moe_combine")?,
+                moe_route_dec: n("moe_route_dec")?,
+                moe_gu_dec: [
+                    [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
+                    [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
+                ],
+                moe_down_dec: [
+                    [n("moe_down_dec_wf32_n1")?, n("moe_down_dec_wf32_n8")?],
+                    [n("moe_down_dec_wbf16_n1")?, n("moe_down_dec_wbf16_n8")?],
+                ],
             })
         };
         let deepseek = [ds("f32")?, ds("bf16")?];
@@ -455,6 +468,8 @@ mod tests {
             "moe_plan",
             "gemt_t24",
             "gemts_t64",
+            "moe_route_dec_bf16",
+            "moe_down_dec_wbf16_n8_bf16",
         ] {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),

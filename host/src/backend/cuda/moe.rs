@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
 use super::ops::{check, launch};
+use super::queue::Op;
 use super::weights::WType;
 use super::{Act, CudaBackend, CudaBuf, CudaWeight, Inner};
 use crate::error::{Error, Result};
@@ -22,6 +23,15 @@ const MAX_GROUPS: usize = 64;
 const MAX_TOP_K: usize = 64;
 /// Output rows per block of the grouped GEMVs (one warp each).
 const ROWS_PER_BLOCK: usize = 8;
+/// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
+/// shared-expert slots; experts per routing block, rows per block of the expert products.
+const DEC_MAX_TOKENS: usize = 8;
+const DEC_MAX_EXPERTS: usize = 256;
+const DEC_MAX_SLOTS: usize = 64;
+const DEC_MAX_SHARED: usize = 16;
+const DEC_EXPERTS_PER_BLOCK: usize = 4;
+const DEC_ROWS: usize = 4;
+const DEC_THREADS: u32 = 256;
 
 /// What a layer keeps on the device (in [`MoeLayer::device`]).
 struct MoeDevice {
@@ -33,6 +43,11 @@ struct MoeDevice {
     last: DevMem,
     /// 0: f32 expert weights, 1: bf16.
     wi: usize,
+    /// Arrival counter of the decode routing kernel (left zeroed by each launch).
+    counter: DevMem,
+    /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
+    /// type or width), else (slots, gate, up, down addresses; 0 slots without shared experts).
+    dec_shared: Option<(usize, [u64; 3])>,
 }
 
 fn bytes_of<T: Copy>(v: &[T], f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
@@ -93,6 +108,26 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         }
         _ => None,
     };
+    // The shared experts split into slots of `inter` rows (gate, up) and columns (down).
+    let dec_shared = match &layer.shared {
+        None => Some((0, [0; 3])),
+        Some(s) => {
+            let ok = [&s.gate, &s.up, &s.down].iter().all(|w| w.wtype == wt)
+                && s.inter.is_multiple_of(inter)
+                && s.inter / inter <= DEC_MAX_SHARED
+                && (
+                    s.gate.rows,
+                    s.gate.cols,
+                    s.up.rows,
+                    s.up.cols,
+                    s.down.rows,
+                    s.down.cols,
+                ) == (s.inter, d, s.inter, d, d, s.inter);
+            ok.then(|| (s.inter / inter, [s.gate.ptr(), s.up.ptr(), s.down.ptr()]))
+        }
+    };
+    let counter = DevMem::alloc(&inner.ctx, 4)?;
+    counter.zero(&inner.stream)?;
     let totals = DevMem::alloc(&inner.ctx, e * 8)?;
     totals.zero(&inner.stream)?;
     let last = DevMem::alloc(&inner.ctx, e * 4)?;
@@ -103,6 +138,8 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         totals,
         last,
         wi,
+        counter,
+        dec_shared,
     })
 }
 
@@ -158,6 +195,13 @@ pub(crate) fn forward(
     check("MoE output", out.len(), n * d)?;
     let st = state(inner, layer, d)?;
     let inter = layer.experts[0].inter;
+    if let Some(shared) = decode_fits(be, layer, st, n, d) {
+        return forward_decode(be, layer, st, gate, x, n, d, inter, shared, out);
+    }
+    // the combine writes every row of `out`
+    if out.device_len() == n * d {
+        inner.drop_zeroing(out.ptr(), out.device_len() * inner.act().size());
+    }
     let act = inner.act();
     let kern = &inner.module.deepseek[match act {
         Act::F32 => 0,
@@ -286,6 +330,224 @@ pub(crate) fn forward(
     );
     layer.count_device_step();
     Ok(())
+}
+
+/// The shared-expert slots of the decode kernels when they take this step (up to 8 tokens,
+/// at most 256 experts and 64 selected per step, a gate they read 8 values at a time, shared
+/// experts that split into slots).
+fn decode_fits(
+    be: &CudaBackend,
+    layer: &MoeLayer<CudaWeight>,
+    st: &MoeDevice,
+    n: usize,
+    d: usize,
+) -> Option<(usize, [u64; 3])> {
+    let cfg = &layer.cfg;
+    let gate = match &layer.router {
+        Router::Learned { gate, .. } => gate,
+        Router::Hashed { .. } => return None,
+    };
+    let fits = be.inner.opts.fuse_moe
+        && n <= DEC_MAX_TOKENS
+        && cfg.n_experts <= DEC_MAX_EXPERTS
+        && cfg.n_experts.min(n * cfg.top_k) <= DEC_MAX_SLOTS
+        && matches!(gate.wtype, WType::F32 | WType::Bf16 | WType::F16)
+        && gate.row_bytes.is_multiple_of(16)
+        && d.is_multiple_of(8);
+    if fits {
+        st.dec_shared
+    } else {
+        None
+    }
+}
+
+/// A decode step's MoE layer in three launches (`moe_*_dec` in `kernels/moe.cu`): routing
+/// (with an RMSNorm queued just before whose output is `x` folded in) and the plan; the
+/// experts' gate/up products with SiLU, shared experts included; the down products weighted
+/// and summed into `out`. A residual add of `out` queued next folds into the last launch
+/// ([`fold_add`]).
+#[allow(clippy::too_many_arguments)]
+fn forward_decode(
+    be: &CudaBackend,
+    layer: &MoeLayer<CudaWeight>,
+    st: &MoeDevice,
+    gate: &CudaWeight,
+    x: &CudaBuf,
+    n: usize,
+    d: usize,
+    inter: usize,
+    (n_shared, shared): (usize, [u64; 3]),
+    out: &mut CudaBuf,
+) -> Result<()> {
+    let inner = &be.inner;
+    let cfg = &layer.cfg;
+    let (e, k) = (cfg.n_experts, cfg.top_k);
+    let act = inner.act();
+    let kern = &inner.module.deepseek[match act {
+        Act::F32 => 0,
+        Act::Bf16 => 1,
+    }];
+    if out.device_len() == n * d {
+        inner.drop_zeroing(out.ptr(), out.device_len() * act.size());
+    }
+    // An RMSNorm just queued that writes `x` (and adds nothing): the routing kernel does it.
+    let mut norm = None;
+    if inner.opts.fuse {
+        let rms = inner.module.act(act).rms_norm;
+        let mut q = inner.queue();
+        if let Some(Op::Launch {
+            kernel, grid, args, ..
+        }) = q.last_mut()
+        {
+            // rms_norm's arguments: out, x, y (residual, 0 for none), gain, d, eps.
+            if *kernel == rms
+                && args.len() == 6
+                && args[0] == x.ptr()
+                && args[1] != x.ptr()
+                && args[2] == 0
+                && args[4] == d as u64
+                && grid[0] as usize == n
+            {
+                norm = Some((args[1], args[3], args[5]));
+            }
+        }
+        if norm.is_some() {
+            q.pop();
+        }
+    }
+    let slots = e.min(n * k);
+    let logits = inner.scratch(n * e, 4)?;
+    let slot_ptr = inner.scratch(slots * 3, 8)?;
+    let slot_cnt = inner.scratch(slots, 4)?;
+    let slot_tok = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
+    let slot_wt = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
+    let score = match cfg.score {
+        ScoreFunc::Sigmoid => 0u64,
+        ScoreFunc::Softmax => 1,
+        ScoreFunc::SqrtSoftplus => 2,
+    };
+    let (src, gain, eps) = norm.unwrap_or((x.ptr(), 0, 0));
+    launch(
+        inner,
+        kern.moe_route_dec,
+        [e.div_ceil(DEC_EXPERTS_PER_BLOCK) as u32, 1, 1],
+        DEC_THREADS,
+        vec![
+            logits.ptr(),
+            st.counter.ptr,
+            slot_ptr.ptr(),
+            slot_cnt.ptr(),
+            slot_tok.ptr(),
+            slot_wt.ptr(),
+            st.totals.ptr,
+            st.last.ptr,
+            x.ptr(),
+            src,
+            gain,
+            eps,
+            gate.ptr(),
+            gate.wtype as u64,
+            gate.row_bytes as u64,
+            st.bias.as_ref().map_or(0, |b| b.ptr),
+            st.ptrs.ptr,
+            d as u64,
+            e as u64,
+            k as u64,
+            n as u64,
+            score,
+            cfg.n_group as u64,
+            cfg.topk_group as u64,
+            cfg.norm_topk_prob as u64,
+            cfg.scaling.to_bits() as u64,
+            slots as u64,
+        ],
+    );
+    let ti = usize::from(n > 1);
+    let per_slot = if n > 1 { DEC_MAX_TOKENS } else { 1 };
+    let h = inner.scratch((slots + n_shared) * per_slot * inter, act.size())?;
+    launch(
+        inner,
+        kern.moe_gu_dec[st.wi][ti],
+        [
+            (slots + n_shared) as u32,
+            inter.div_ceil(DEC_ROWS) as u32,
+            1,
+        ],
+        DEC_THREADS,
+        vec![
+            h.ptr(),
+            x.ptr(),
+            slot_ptr.ptr(),
+            slot_cnt.ptr(),
+            slot_tok.ptr(),
+            shared[0],
+            shared[1],
+            slots as u64,
+            n as u64,
+            d as u64,
+            inter as u64,
+        ],
+    );
+    // threads: the 16-byte chunks of an expert row, at least 64, at most 256
+    let chunks = inter / if st.wi == 0 { 4 } else { 8 };
+    // (and at least one per routed slot: each loads its slot's table entry)
+    let threads = chunks
+        .max(slots)
+        .next_multiple_of(32)
+        .clamp(64, DEC_THREADS as usize) as u32;
+    launch(
+        inner,
+        kern.moe_down_dec[st.wi][ti],
+        [d.div_ceil(DEC_ROWS) as u32, 1, 1],
+        threads,
+        vec![
+            out.ptr(),
+            0,
+            h.ptr(),
+            slot_ptr.ptr(),
+            slot_cnt.ptr(),
+            slot_tok.ptr(),
+            slot_wt.ptr(),
+            shared[2],
+            slots as u64,
+            n_shared as u64,
+            n as u64,
+            d as u64,
+            inter as u64,
+        ],
+    );
+    layer.count_device_step();
+    Ok(())
+}
+
+/// Folds `res += y` (`len` values) into the decode down-projection just queued when it alone
+/// writes `y` (all of it); true when it did.
+pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool {
+    if !(inner.opts.fuse && inner.opts.fuse_add) {
+        return false;
+    }
+    let kern = &inner.module.deepseek[match inner.act() {
+        Act::F32 => 0,
+        Act::Bf16 => 1,
+    }];
+    let mut q = inner.queue();
+    let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
+        return false;
+    };
+    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter.
+    let down = kern.moe_down_dec.iter().flatten().any(|k| *k == *kernel);
+    if down
+        && args.len() == 13
+        && args[0] == y
+        && args[1] == 0
+        && (args[10] * args[11]) as usize == len
+        && res != y
+        && res != args[2]
+    {
+        args[1] = res;
+        return true;
+    }
+    false
 }
 
 /// The layer's load counters: the device's when it ran there, else the host's.

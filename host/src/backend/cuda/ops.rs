@@ -163,7 +163,10 @@ pub(crate) fn rms_norm(
 
 pub(crate) fn add_assign(inner: &Arc<Inner>, x: &mut CudaBuf, y: &CudaBuf) -> Result<()> {
     let n = x.len.min(y.len);
-    if n > 0 && !super::matmul::fold_add(inner, x.ptr(), y.ptr(), n) {
+    if n > 0
+        && !super::moe::fold_add(inner, x.ptr(), y.ptr(), n)
+        && !super::matmul::fold_add(inner, x.ptr(), y.ptr(), n)
+    {
         let kernel = inner.module.act(inner.act()).add;
         inner.push(Op::Add {
             kernel,

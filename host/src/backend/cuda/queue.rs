@@ -164,6 +164,28 @@ impl Queue {
         self.ops.pop()
     }
 
+    /// Removes the memset of exactly `[ptr, ptr + bytes)` from the memsets queued last (nothing
+    /// queued since can have read the range); true when there was one.
+    pub fn drop_memset(&mut self, ptr: u64, bytes: usize) -> bool {
+        let tail = self
+            .ops
+            .iter()
+            .rev()
+            .take_while(|o| matches!(o, Op::Memset { .. }))
+            .count();
+        let start = self.ops.len() - tail;
+        let hit = self.ops[start..]
+            .iter()
+            .position(|o| matches!(o, Op::Memset { ptr: p, bytes: b } if *p == ptr && *b == bytes));
+        match hit {
+            Some(i) => {
+                self.ops.remove(start + i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Runs everything queued (leading uploads first, then the rest eagerly or as a graph).
     pub fn flush(&mut self, m: &Module, blas: &Blas, stream: &Arc<CudaStream>) -> Result<()> {
         if self.ops.is_empty() {

@@ -335,14 +335,16 @@ impl<B: Backend> DeepseekV3<B> {
         let c = &self.cfg;
         let dims = self.dims();
         let (r, dr) = (c.kv_lora_rank, c.qk_rope_head_dim);
-        let mut q = be.zeros(n * dims.q_width())?;
-        let mut kva = be.zeros(n * (r + dr))?;
         // Both products of `h` back to back (a backend may fuse them and the norm before them
-        // into one launch), then the rest of the query path.
-        match &a.q {
+        // into one launch), then the rest of the query path. Each output is made just before
+        // the op that writes it (a backend may then skip zeroing it).
+        let (mut q, kva) = match &a.q {
             QProj::Direct(w) => {
+                let mut q = be.zeros(n * dims.q_width())?;
                 be.matmul(w, h, n, &mut q)?;
+                let mut kva = be.zeros(n * (r + dr))?;
                 be.matmul(&a.kv_a, h, n, &mut kva)?;
+                (q, kva)
             }
             QProj::Lora {
                 a: qa_w,
@@ -352,12 +354,15 @@ impl<B: Backend> DeepseekV3<B> {
             } => {
                 let mut qa = be.zeros(n * rank)?;
                 be.matmul(qa_w, h, n, &mut qa)?;
+                let mut kva = be.zeros(n * (r + dr))?;
                 be.matmul(&a.kv_a, h, n, &mut kva)?;
                 let mut qn = be.zeros(n * rank)?;
                 be.rms_norm(&qa, norm, LATENT_NORM_EPS, &mut qn)?;
+                let mut q = be.zeros(n * dims.q_width())?;
                 be.matmul(b, &qn, n, &mut q)?;
+                (q, kva)
             }
-        }
+        };
         let mut att = be.zeros(n * c.n_heads * c.v_head_dim)?;
         let w = MlaWeights {
             kv_a_norm: &a.kv_a_norm,
@@ -395,11 +400,14 @@ impl<B: Backend> DeepseekV3<B> {
         let o = self.mla(&b.attn, layer, &h, step, n, kv)?;
         be.add_assign(x, &o)?;
         be.rms_norm(x, &b.ffn_norm, self.cfg.rms_eps, &mut h)?;
-        let mut f = be.zeros(n * d)?;
-        match &b.ffn {
-            Ffn::Dense(m) => m.forward(be, &h, n, &mut f)?,
-            Ffn::Moe(m) => be.moe(m, &h, &batch.tokens, n, d, &mut f)?,
-        }
+        let f = match &b.ffn {
+            Ffn::Dense(m) => m.apply(be, &h, n, d)?,
+            Ffn::Moe(m) => {
+                let mut f = be.zeros(n * d)?;
+                be.moe(m, &h, &batch.tokens, n, d, &mut f)?;
+                f
+            }
+        };
         be.add_assign(x, &f)
     }
 
