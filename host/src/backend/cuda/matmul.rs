@@ -204,25 +204,9 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
         && block_kernel(inner, act, w.wtype, n, w.cols, Fold::Norm).is_some()
     {
         let rms = inner.module.act(act).rms_norm;
-        if let Some(Op::Launch {
-            kernel, grid, args, ..
-        }) = q.last_mut()
-        {
-            // rms_norm's arguments: out, x, y (residual, 0 for none), gain, d, eps.
-            if *kernel == rms
-                && args.len() == 6
-                && args[0] == x.ptr()
-                && args[1] != x.ptr()
-                && args[2] == 0
-                && args[4] == w.cols as u64
-                && grid[0] as usize == n
-            {
-                norm = Some((args[1], args[3], args[5] as u32));
-            }
-        }
-        if norm.is_some() {
-            q.pop();
-        }
+        norm = q
+            .take_norm(rms, x.ptr(), w.cols, n)
+            .map(|(raw, gain, eps)| (raw, gain, eps as u32));
     }
     let fold = if norm.is_some() {
         Fold::Norm

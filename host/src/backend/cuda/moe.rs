@@ -394,26 +394,7 @@ fn forward_decode(
     let mut norm = None;
     if inner.opts.fuse {
         let rms = inner.module.act(act).rms_norm;
-        let mut q = inner.queue();
-        if let Some(Op::Launch {
-            kernel, grid, args, ..
-        }) = q.last_mut()
-        {
-            // rms_norm's arguments: out, x, y (residual, 0 for none), gain, d, eps.
-            if *kernel == rms
-                && args.len() == 6
-                && args[0] == x.ptr()
-                && args[1] != x.ptr()
-                && args[2] == 0
-                && args[4] == d as u64
-                && grid[0] as usize == n
-            {
-                norm = Some((args[1], args[3], args[5]));
-            }
-        }
-        if norm.is_some() {
-            q.pop();
-        }
+        norm = inner.queue().take_norm(rms, x.ptr(), d, n);
     }
     let slots = e.min(n * k);
     let logits = inner.scratch(n * e, 4)?;

@@ -164,6 +164,37 @@ impl Queue {
         self.ops.pop()
     }
 
+    /// Takes back the last queued op when it is a plain RMSNorm (`rms`, no residual) of `n` rows
+    /// of `d` writing `out` from another buffer, for a kernel that folds the norm in: its input,
+    /// gain and eps bits.
+    pub fn take_norm(
+        &mut self,
+        rms: KernelId,
+        out: u64,
+        d: usize,
+        n: usize,
+    ) -> Option<(u64, u64, u64)> {
+        let Some(Op::Launch {
+            kernel, grid, args, ..
+        }) = self.ops.last()
+        else {
+            return None;
+        };
+        // rms_norm's arguments: out, x, y (residual, 0 for none), gain, d, eps.
+        let norm = (*kernel == rms
+            && args.len() == 6
+            && args[0] == out
+            && args[1] != out
+            && args[2] == 0
+            && args[4] == d as u64
+            && grid[0] as usize == n)
+            .then(|| (args[1], args[3], args[5]));
+        if norm.is_some() {
+            self.ops.pop();
+        }
+        norm
+    }
+
     /// Removes the memset of exactly `[ptr, ptr + bytes)` from the memsets queued last (nothing
     /// queued since can have read the range); true when there was one.
     pub fn drop_memset(&mut self, ptr: u64, bytes: usize) -> bool {
@@ -381,15 +412,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             // The warp-per-row kernels take the first 13 parameters, the block-cooperative
             // ones all 17 (gain, eps, norm output, residual).
             let mut a = [0u64; 17];
-            for (i, &(w, y, rows)) in g.segs.iter().enumerate() {
-                a[i] = w;
-                a[3 + i] = y;
-                a[6 + i] = rows as u64;
-            }
-            a[9] = g.x;
-            a[10] = g.n as u64;
-            a[11] = g.k as u64;
-            a[12] = g.row_bytes as u64;
+            product_args(&mut a, &g.segs, g.x, g.n, g.k, g.row_bytes);
             if let Some((raw, gain, eps)) = g.norm {
                 a[9] = raw;
                 a[13] = gain;
@@ -412,15 +435,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
         }
         Op::Gemt(g) => {
             let mut a = [0u64; 14];
-            for (i, &(w, y, rows)) in g.segs.iter().enumerate() {
-                a[i] = w;
-                a[3 + i] = y;
-                a[6 + i] = rows as u64;
-            }
-            a[9] = g.x;
-            a[10] = g.n as u64;
-            a[11] = g.k as u64;
-            a[12] = g.row_bytes as u64;
+            product_args(&mut a, &g.segs, g.x, g.n, g.k, g.row_bytes);
             a[13] = g.splits as u64;
             launch(
                 m,
@@ -484,4 +499,25 @@ impl Timer {
             .map_err(|e| cuda_err("event timing", e))?;
         Ok(ms as f64 / 1e3)
     }
+}
+
+/// The leading parameters the GEMV and skinny-GEMM kernels share: up to three (weights,
+/// output, rows) segments, then the input, its token count, k and the weights' row bytes.
+fn product_args(
+    a: &mut [u64],
+    segs: &[(u64, u64, usize)],
+    x: u64,
+    n: usize,
+    k: usize,
+    row_bytes: usize,
+) {
+    for (i, &(w, y, rows)) in segs.iter().enumerate() {
+        a[i] = w;
+        a[3 + i] = y;
+        a[6 + i] = rows as u64;
+    }
+    a[9] = x;
+    a[10] = n as u64;
+    a[11] = k as u64;
+    a[12] = row_bytes as u64;
 }
