@@ -22,4 +22,13 @@ for t in $tests; do
     name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
     pack "$t" "$name"
 done
+# Benchmark records name the commit the binary was built from (HEAD at build time); a tree with
+# uncommitted changes is more than that commit, so the pack says what it was built from.
+{
+    echo "built $(date -u +%FT%TZ) from $(git describe --always --dirty 2>/dev/null || echo 'no git checkout')"
+    git status --short --untracked-files=no 2>/dev/null
+} >"$out/BUILD"
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    echo "gpu-pack: uncommitted changes are in this build; bench records will name $(git rev-parse --short=12 HEAD) (see $out/BUILD)" >&2
+fi
 ls -la "$out"
