@@ -77,7 +77,7 @@ impl DType {
 
     /// Bytes taken by `n` elements; `None` if `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())

@@ -218,7 +218,7 @@ impl KvCacheManager {
         let mut valid = num_tokens.min(keep * bs);
         let dropped: Vec<BlockId> = table.blocks.drain(keep..).rev().collect();
         self.pool.release(dropped);
-        if valid % bs != 0 {
+        if !valid.is_multiple_of(bs) {
             if let Some(&last) = table.blocks.last() {
                 if self.pool.ref_count(last) > 1 {
                     table.blocks.pop();

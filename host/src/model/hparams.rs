@@ -67,13 +67,13 @@ impl ModelConfig {
                 self.n_layers, self.hidden, self.n_heads, self.vocab
             ));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "head count {} is not a multiple of the KV head count {}",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} must be positive and even",
                 self.head_dim

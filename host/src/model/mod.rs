@@ -87,7 +87,7 @@ impl Logits {
     /// Selects on the host from full rows of `vocab` logits (what a model without a device
     /// selection does; the same order as the device kernels).
     pub fn select(full: Vec<f32>, vocab: usize, want: LogitsWant) -> Result<Logits> {
-        if vocab == 0 || full.len() % vocab != 0 {
+        if vocab == 0 || !full.len().is_multiple_of(vocab) {
             return Err(Error::BadRequest(format!(
                 "{} logits are not whole rows of {vocab}",
                 full.len()

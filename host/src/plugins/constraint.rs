@@ -419,7 +419,7 @@ impl Matcher {
         let ids: &[u32] = tokens;
         let n = self
             .plugin
-            .with(self.id, |m, s, h| m.call_validate(s, h, &ids))?;
+            .with(self.id, |m, s, h| m.call_validate(s, h, ids))?;
         Ok(n.min(tokens.len() as u32))
     }
 

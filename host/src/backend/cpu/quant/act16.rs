@@ -77,7 +77,7 @@ impl Acts16 {
         cols: usize,
         octets: bool,
     ) -> Act16View<'a> {
-        assert!(cols % BLOCK == 0 && x.len() >= n_tokens * cols);
+        assert!(cols.is_multiple_of(BLOCK) && x.len() >= n_tokens * cols);
         let nb = cols / BLOCK;
         let no = if octets { nb / 8 } else { 0 };
         let pairs = (nb - 8 * no).div_ceil(2);
