@@ -18,6 +18,17 @@ for f in "$pack"/*.xz; do
     xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"
     chmod +x "$out"
 done
+# Kernels compiled ahead by gpu-pack.sh go where the binaries look for cached PTX.
+if compgen -G "$pack/ptx/*.xz" >/dev/null; then
+    # The folder `model::fetch::cache_dir` names.
+    cache="${DEEPINFER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deepinfer}"
+    [ -n "${DEEPINFER_CACHE:-}" ] || [ -z "${XDG_CACHE_HOME:-}" ] || cache="$XDG_CACHE_HOME/deepinfer"
+    mkdir -p "$cache/ptx"
+    for f in "$pack"/ptx/*.xz; do
+        xz -dc "$f" >"$cache/ptx/$(basename "$f" .xz)" 2>/dev/null ||
+            python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$cache/ptx/$(basename "$f" .xz)"
+    done
+fi
 # The driver's folder first (a CUDA "stubs" folder holds a fake libcuda.so), then the toolkit's.
 libdirs=$( (find / -xdev -name 'libcuda.so.1' -printf '%h\n' 2>/dev/null | grep -v stubs;
     ls -d /usr/local/cuda/lib64 2>/dev/null;

@@ -1,5 +1,6 @@
 //! `deepinfer dev`: developer tools. `make-tiny` writes a tiny random checkpoint in HF format
-//! (deterministic from a seed) for tests and reference runs.
+//! (deterministic from a seed) for tests and reference runs; `ptx` (CUDA builds) compiles the
+//! kernels with NVRTC into the cache a GPU run reads, so it can be made ahead of time.
 
 use std::path::PathBuf;
 
@@ -18,6 +19,19 @@ pub struct DevArgs {
 enum DevCommand {
     /// Write a tiny random checkpoint (config.json, model.safetensors, tokenizer.json).
     MakeTiny(MakeTinyArgs),
+    /// Compile the CUDA kernels with NVRTC (no GPU needed) into the PTX cache
+    /// (`$DEEPINFER_CACHE/ptx`, else `~/.cache/deepinfer/ptx`) and print the file's path.
+    #[cfg(feature = "cuda")]
+    Ptx(PtxArgs),
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Debug, Args)]
+struct PtxArgs {
+    /// Virtual architecture, as the GPU run picks it from the device (`compute_90` for
+    /// Hopper).
+    #[arg(long, default_value = "compute_90")]
+    arch: String,
 }
 
 #[derive(Debug, Args)]
@@ -51,7 +65,28 @@ struct MakeTinyArgs {
 pub fn run(args: DevArgs) -> anyhow::Result<()> {
     match args.command {
         DevCommand::MakeTiny(a) => make_tiny(a),
+        #[cfg(feature = "cuda")]
+        DevCommand::Ptx(a) => ptx(a),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn ptx(a: PtxArgs) -> anyhow::Result<()> {
+    use crate::backend::cuda::module;
+    let Some(arch) = module::ARCHS.iter().copied().find(|&x| x == a.arch) else {
+        bail!(
+            "--arch {}: expected one of {}",
+            a.arch,
+            module::ARCHS.join(", ")
+        );
+    };
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!("no NVRTC library found: put a folder holding libnvrtc.so on LD_LIBRARY_PATH");
+    }
+    module::ptx_for(arch).context("compiling the CUDA kernels")?;
+    println!("{}", module::cache_path(arch).display());
+    Ok(())
 }
 
 fn make_tiny(a: MakeTinyArgs) -> anyhow::Result<()> {

@@ -51,6 +51,17 @@ pub fn source() -> String {
     s
 }
 
+/// The virtual architectures [`arch_for`] picks from.
+pub const ARCHS: [&str; 7] = [
+    "compute_80",
+    "compute_86",
+    "compute_87",
+    "compute_89",
+    "compute_90",
+    "compute_100",
+    "compute_120",
+];
+
 /// The virtual architecture to compile for, from a compute capability.
 pub fn arch_for(major: i32, minor: i32) -> &'static str {
     match (major, minor) {
@@ -84,7 +95,9 @@ pub fn compile(arch: &'static str) -> Result<String> {
     Ok(ptx.to_src())
 }
 
-fn cache_path(arch: &str) -> PathBuf {
+/// Where the PTX for `arch` of this build's kernels is cached: its name hashes the
+/// architecture, the NVRTC options and the source.
+pub fn cache_path(arch: &str) -> PathBuf {
     let mut h = Sha256::new();
     h.update(arch.as_bytes());
     for o in OPTIONS {
@@ -482,5 +495,11 @@ mod tests {
     fn arch_names() {
         assert_eq!(arch_for(9, 0), "compute_90");
         assert_eq!(arch_for(8, 0), "compute_80");
+        // Every capability maps into ARCHS, which `deepinfer dev ptx` accepts.
+        for major in 7..=13 {
+            for minor in 0..=9 {
+                assert!(ARCHS.contains(&arch_for(major, minor)));
+            }
+        }
     }
 }
