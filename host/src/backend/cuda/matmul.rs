@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::blas::{Gemm, GemmType};
 use super::module::{gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS};
 use super::ops::check;
-use super::queue::{elementwise_grid, Gemt, Gemv, Op, GEMV_SEGMENTS, GEMV_THREADS};
+use super::queue::{elementwise_grid, Gemt, Gemv, Op, Product, GEMV_THREADS};
 use super::weights::WType;
 use super::{Act, CudaBuf, CudaWeight, Inner};
 use crate::error::Result;
@@ -180,19 +180,12 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
     let mut q = inner.queue();
     if inner.opts.fuse {
         if let Some(Op::Gemv(g)) = q.last_mut() {
-            let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr())
-                || y.ptr() == g.x
-                || g.norm.is_some_and(|nm| nm.0 == y.ptr());
             if g.wtype == w.wtype
-                && g.x == x.ptr()
-                && g.n == n
-                && g.k == w.cols
-                && g.row_bytes == w.row_bytes
-                && g.segs.len() < GEMV_SEGMENTS
+                && g.p.can_join(x.ptr(), n, w.cols, w.row_bytes, y.ptr())
+                && g.norm.is_none_or(|nm| nm.0 != y.ptr())
                 && g.res == 0
-                && !outputs_clash
             {
-                g.segs.push(seg);
+                g.p.segs.push(seg);
                 (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, Fold::of(g));
                 return;
             }
@@ -216,11 +209,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
     let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, fold);
     q.push(Op::Gemv(Gemv {
         kernel,
-        x: x.ptr(),
-        n,
-        k: w.cols,
-        row_bytes: w.row_bytes,
-        segs: vec![seg],
+        p: Product::new(x.ptr(), n, w.cols, w.row_bytes, seg),
         wtype: w.wtype,
         rows_per_block,
         norm,
@@ -239,17 +228,17 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
     let Some(Op::Gemv(g)) = q.last_mut() else {
         return false;
     };
-    if g.segs.len() != 1
-        || g.segs[0].1 != y
-        || g.segs[0].2 * g.n != n
+    if g.p.segs.len() != 1
+        || g.p.segs[0].1 != y
+        || g.p.segs[0].2 * g.p.n != n
         || g.res != 0
         || g.norm.is_some()
-        || res == g.x
+        || res == g.p.x
         || res == y
     {
         return false;
     }
-    match block_kernel(inner, act, g.wtype, g.n, g.k, Fold::Acc) {
+    match block_kernel(inner, act, g.wtype, g.p.n, g.p.k, Fold::Acc) {
         Some((kernel, rows_per_block)) => {
             g.kernel = kernel;
             g.rows_per_block = rows_per_block;
@@ -275,16 +264,8 @@ fn gemt(inner: &Arc<Inner>, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) 
     let mut q = inner.queue();
     if inner.opts.fuse {
         if let Some(Op::Gemt(g)) = q.last_mut() {
-            let outputs_clash = g.segs.iter().any(|s| s.1 == y.ptr()) || y.ptr() == g.x;
-            if g.x == x.ptr()
-                && g.n == n
-                && g.k == w.cols
-                && g.row_bytes == w.row_bytes
-                && g.segs.len() < GEMV_SEGMENTS
-                && !g.swiglu
-                && !outputs_clash
-            {
-                g.segs.push(seg);
+            if !g.swiglu && g.p.can_join(x.ptr(), n, w.cols, w.row_bytes, y.ptr()) {
+                g.p.segs.push(seg);
                 return;
             }
         }
@@ -292,11 +273,7 @@ fn gemt(inner: &Arc<Inner>, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) 
     let b = gemt_bound(n);
     q.push(Op::Gemt(Gemt {
         kernel: inner.module.gemt[b],
-        x: x.ptr(),
-        n,
-        k: w.cols,
-        row_bytes: w.row_bytes,
-        segs: vec![seg],
+        p: Product::new(x.ptr(), n, w.cols, w.row_bytes, seg),
         swiglu: false,
         smem: gemt_smem(GEMT_TOKENS[b]) as u32,
         splits: inner.opts.gemt_splits,
@@ -313,16 +290,17 @@ pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> boo
     let Some(Op::Gemt(g)) = q.last_mut() else {
         return false;
     };
+    let segs = &g.p.segs;
     if g.swiglu
-        || g.segs.len() != 2
-        || g.segs[0].1 != gate
-        || g.segs[1].1 != up
-        || g.segs[0].2 != g.segs[1].2
-        || g.segs[0].2 * g.n != n
+        || segs.len() != 2
+        || segs[0].1 != gate
+        || segs[1].1 != up
+        || segs[0].2 != segs[1].2
+        || segs[0].2 * g.p.n != n
     {
         return false;
     }
     g.swiglu = true;
-    g.kernel = inner.module.gemt_swiglu[gemt_bound(g.n)];
+    g.kernel = inner.module.gemt_swiglu[gemt_bound(g.p.n)];
     true
 }

@@ -25,16 +25,69 @@ pub const GEMV_SEGMENTS: usize = 3;
 /// Threads per GEMV block (one warp per weight row, or one block per few rows).
 pub const GEMV_THREADS: u32 = 256;
 
-/// A fusable matrix-vector product (see `kernels/gemv.cu`).
+/// What the GEMV and skinny-GEMM launches share: one input `x` of `n` tokens times up to
+/// [`GEMV_SEGMENTS`] weights of `k` columns (`row_bytes` a row), each with its own output.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Gemv {
-    pub kernel: KernelId,
+pub struct Product {
     pub x: u64,
     pub n: usize,
     pub k: usize,
     pub row_bytes: usize,
     /// (weight, output, rows).
     pub segs: Vec<(u64, u64, usize)>,
+}
+
+impl Product {
+    /// A product of one weight of `k` columns (`row_bytes` a row, `rows` rows at `w`) over
+    /// `x` into `y`.
+    pub fn new(
+        x: u64,
+        n: usize,
+        k: usize,
+        row_bytes: usize,
+        (w, y, rows): (u64, u64, usize),
+    ) -> Product {
+        Product {
+            x,
+            n,
+            k,
+            row_bytes,
+            segs: vec![(w, y, rows)],
+        }
+    }
+
+    /// Whether another weight of the same shape over the same input, writing `y`, can join as
+    /// a segment: room for one more, and `y` is neither an output already nor the input.
+    pub fn can_join(&self, x: u64, n: usize, k: usize, row_bytes: usize, y: u64) -> bool {
+        self.x == x
+            && self.n == n
+            && self.k == k
+            && self.row_bytes == row_bytes
+            && self.segs.len() < GEMV_SEGMENTS
+            && !self.segs.iter().any(|s| s.1 == y)
+            && y != self.x
+    }
+
+    /// The kernels' leading parameters: the (weights, output, rows) segments, then the input,
+    /// its token count, k and the weights' row bytes.
+    fn args(&self, a: &mut [u64]) {
+        for (i, &(w, y, rows)) in self.segs.iter().enumerate() {
+            a[i] = w;
+            a[3 + i] = y;
+            a[6 + i] = rows as u64;
+        }
+        a[9] = self.x;
+        a[10] = self.n as u64;
+        a[11] = self.k as u64;
+        a[12] = self.row_bytes as u64;
+    }
+}
+
+/// A fusable matrix-vector product (see `kernels/gemv.cu`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Gemv {
+    pub kernel: KernelId,
+    pub p: Product,
     /// Weight type (segments of one launch share it).
     pub wtype: WType,
     /// Output rows per block of [`GEMV_THREADS`] threads (8 for the warp-per-row kernels).
@@ -51,12 +104,7 @@ pub struct Gemv {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Gemt {
     pub kernel: KernelId,
-    pub x: u64,
-    pub n: usize,
-    pub k: usize,
-    pub row_bytes: usize,
-    /// (weight, output, rows).
-    pub segs: Vec<(u64, u64, usize)>,
+    pub p: Product,
     /// Gate and up (two segments of equal rows): the first output becomes silu(gate) * up.
     pub swiglu: bool,
     /// Dynamic shared memory of the kernel, bytes.
@@ -72,9 +120,9 @@ impl Gemt {
     /// Row tiles (the grid's y).
     pub fn tiles(&self) -> usize {
         if self.swiglu {
-            self.segs[0].2.div_ceil(GEMT_ROWS / 2)
+            self.p.segs[0].2.div_ceil(GEMT_ROWS / 2)
         } else {
-            self.segs.iter().map(|s| s.2.div_ceil(GEMT_ROWS)).sum()
+            self.p.segs.iter().map(|s| s.2.div_ceil(GEMT_ROWS)).sum()
         }
     }
 }
@@ -412,15 +460,15 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             // The warp-per-row kernels take the first 13 parameters, the block-cooperative
             // ones all 17 (gain, eps, norm output, residual).
             let mut a = [0u64; 17];
-            product_args(&mut a, &g.segs, g.x, g.n, g.k, g.row_bytes);
+            g.p.args(&mut a);
             if let Some((raw, gain, eps)) = g.norm {
                 a[9] = raw;
                 a[13] = gain;
                 a[14] = eps as u64;
-                a[15] = g.x;
+                a[15] = g.p.x;
             }
             a[16] = g.res;
-            let rows: usize = g.segs.iter().map(|s| s.2).sum();
+            let rows: usize = g.p.segs.iter().map(|s| s.2).sum();
             launch(
                 m,
                 stream,
@@ -435,7 +483,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
         }
         Op::Gemt(g) => {
             let mut a = [0u64; 14];
-            product_args(&mut a, &g.segs, g.x, g.n, g.k, g.row_bytes);
+            g.p.args(&mut a);
             a[13] = g.splits as u64;
             launch(
                 m,
@@ -499,25 +547,4 @@ impl Timer {
             .map_err(|e| cuda_err("event timing", e))?;
         Ok(ms as f64 / 1e3)
     }
-}
-
-/// The leading parameters the GEMV and skinny-GEMM kernels share: up to three (weights,
-/// output, rows) segments, then the input, its token count, k and the weights' row bytes.
-fn product_args(
-    a: &mut [u64],
-    segs: &[(u64, u64, usize)],
-    x: u64,
-    n: usize,
-    k: usize,
-    row_bytes: usize,
-) {
-    for (i, &(w, y, rows)) in segs.iter().enumerate() {
-        a[i] = w;
-        a[3 + i] = y;
-        a[6 + i] = rows as u64;
-    }
-    a[9] = x;
-    a[10] = n as u64;
-    a[11] = k as u64;
-    a[12] = row_bytes as u64;
 }
