@@ -512,23 +512,6 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, w: &CudaWeight, x: &CudaBuf, n_tokens: usize, y: &mut CudaBuf) -> Result<()> {
-        // A product writes every row it runs (the padding rows of a padded step too, as
-        // `matmul::matmul` decides): when that is all of `y`, its zeroing is dropped, the same
-        // way for padded and unpadded steps (so both fold the same neighbours).
-        let rows = if x.len > x.host_len
-            && x.host_len == n_tokens * w.cols
-            && w.cols > 0
-            && x.len.is_multiple_of(w.cols)
-            && y.len >= x.len / w.cols * w.rows
-        {
-            x.len / w.cols
-        } else {
-            n_tokens
-        };
-        if rows > 0 && w.rows > 0 && y.len == rows * w.rows {
-            let size = self.inner.act().size();
-            self.inner.drop_zeroing(y.ptr(), y.len * size);
-        }
         matmul::matmul(&self.inner, w, x, n_tokens, y)
     }
 
