@@ -13,21 +13,21 @@ case "$pack" in /*) ;; *) pack="$root/$pack" ;; esac
 bin=/tmp/deepinfer-bin/$(basename "$pack")
 rm -rf "$bin"
 mkdir -p "$bin"
+# unxz FILE.xz DIR: FILE into DIR (python's lzma where the image has no xz).
+unxz() {
+    local out="$2/$(basename "$1" .xz)"
+    xz -dc "$1" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$1" "$out"
+}
 for f in "$pack"/*.xz; do
-    out="$bin/$(basename "$f" .xz)"
-    xz -dc "$f" >"$out" 2>/dev/null || python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$out"
-    chmod +x "$out"
+    unxz "$f" "$bin"
+    chmod +x "$bin/$(basename "$f" .xz)"
 done
 # Kernels compiled ahead by gpu-pack.sh go where the binaries look for cached PTX.
 if compgen -G "$pack/ptx/*.xz" >/dev/null; then
     # The folder `model::fetch::cache_dir` names.
     cache="${DEEPINFER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deepinfer}"
-    [ -n "${DEEPINFER_CACHE:-}" ] || [ -z "${XDG_CACHE_HOME:-}" ] || cache="$XDG_CACHE_HOME/deepinfer"
     mkdir -p "$cache/ptx"
-    for f in "$pack"/ptx/*.xz; do
-        xz -dc "$f" >"$cache/ptx/$(basename "$f" .xz)" 2>/dev/null ||
-            python3 -c "import lzma,sys;open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$f" "$cache/ptx/$(basename "$f" .xz)"
-    done
+    for f in "$pack"/ptx/*.xz; do unxz "$f" "$cache/ptx"; done
 fi
 # The driver's folder first (a CUDA "stubs" folder holds a fake libcuda.so), then the toolkit's.
 libdirs=$( (find / -xdev -name 'libcuda.so.1' -printf '%h\n' 2>/dev/null | grep -v stubs;
