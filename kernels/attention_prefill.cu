@@ -49,6 +49,126 @@ __device__ __forceinline__ uint4 load8_as_bf16(const float* p) {
 }
 __device__ __forceinline__ uint4 load8_as_bf16(const bf16_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// The pieces both 64-query kernels share: the query tile, one K/V tile's update, the output.
+
+// Stages the block's query rows [row0, row0 + qn) of head h in `sq` (zeros past qn) and loads
+// this warp's 16 rows as mma A fragments.
+template <typename T, int D>
+__device__ __forceinline__ void fa_load_q(u32 (&qf)[D / 16][4], bf16_t* sq, const T* q, long row0, int qn,
+                                          int n_heads, int h) {
+    constexpr int CH = D / 8;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    for (int e = tid; e < FA_BM * CH; e += FA_THREADS) {
+        const int r = e / CH, c = e % CH;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < qn) val = load8_as_bf16(q + ((long)(row0 + r) * n_heads + h) * D + c * 8);
+        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+    }
+}
+
+// One 64-key tile staged in sk/sv (keys kt..kt+63): S = Q K^T on the tensor cores, the causal
+// and window mask (this thread's rows are at positions qrow0 and qrow0 + 8), the online softmax
+// in base 2, O += P V with P re-packed from the S registers.
+template <int D>
+__device__ __forceinline__ void fa_tile(float (&o)[D / 8][4], float (&mrow)[2], float (&lrow)[2],
+                                        const u32 (&qf)[D / 16][4], const bf16_t* sk, const bf16_t* sv, int kt,
+                                        int qrow0, int window, float scale_log2) {
+    const int lane = threadIdx.x & 31;
+    float s[FA_BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < FA_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+#pragma unroll
+        for (int np = 0; np < FA_BN / 16; np++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3, &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
+            mma_bf16_16816(s[2 * np], qf[kk], b0, b1);
+            mma_bf16_16816(s[2 * np + 1], qf[kk], b2, b3);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < FA_BN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+            const int qp = qrow0 + (e >> 1) * 8;
+            const bool ok = key <= qp && (window <= 0 || key > qp - window);
+            s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
+        }
+    }
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < FA_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(mrow[rh], mx);
+        const float muse = mnew == NEG_INF ? 0.0f : mnew;
+        const float corr = exp2f(mrow[rh] - muse);
+        mrow[rh] = mnew;
+        float rs = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < FA_BN / 8; nt++) {
+            const float p0 = exp2f(s[nt][2 * rh] - muse), p1 = exp2f(s[nt][2 * rh + 1] - muse);
+            s[nt][2 * rh] = p0;
+            s[nt][2 * rh + 1] = p1;
+            rs += p0 + p1;
+        }
+        lrow[rh] = lrow[rh] * corr + rs;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+            o[dt][2 * rh] *= corr;
+            o[dt][2 * rh + 1] *= corr;
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < FA_BN / 16; kk++) {
+        u32 a[4];
+        a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; dp++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3, &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
+            mma_bf16_16816(o[2 * dp], a, b0, b1);
+            mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
+        }
+    }
+}
+
+// Normalizes this warp's rows and writes those below qn to out (rows row0.., head h).
+template <typename T, int D>
+__device__ __forceinline__ void fa_store(T* out, const float (&o)[D / 8][4], const float (&lrow)[2], long row0,
+                                         int qn, int n_heads, int h) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int rh = 0; rh < 2; rh++) {
+        float l = lrow[rh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = warp * 16 + (lane >> 2) + rh * 8;
+        if (row < qn) {
+            const long base = ((long)(row0 + row) * n_heads + h) * D;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                const int d = dt * 8 + 2 * (lane & 3);
+                act_store(out, base + d, o[dt][2 * rh] * inv);
+                act_store(out, base + d + 1, o[dt][2 * rh + 1] * inv);
+            }
+        }
+    }
+}
+
 template <typename T, int D>
 __device__ void attn_prefill_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
                                   int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
@@ -68,18 +188,8 @@ __device__ void attn_prefill_impl(T* out, const T* q, const bf16_t* kc, const bf
     const int* table = tables + (long)si * table_width;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
-    for (int e = tid; e < FA_BM * CH; e += FA_THREADS) {
-        const int r = e / CH, c = e % CH;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
-        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
-    }
-    __syncthreads();
     u32 qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-    }
+    fa_load_q<T, D>(qf, sq, q, start + q0, qn, n_heads, h);
 
     float o[D / 8][4];
 #pragma unroll
@@ -107,89 +217,10 @@ __device__ void attn_prefill_impl(T* out, const T* q, const bf16_t* kc, const bf
         }
         __syncthreads();
 
-        float s[FA_BN / 8][4];
-#pragma unroll
-        for (int i = 0; i < FA_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-#pragma unroll
-            for (int np = 0; np < FA_BN / 16; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3, &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
-                mma_bf16_16816(s[2 * np], qf[kk], b0, b1);
-                mma_bf16_16816(s[2 * np + 1], qf[kk], b2, b3);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < FA_BN / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
-                const int qp = qrow0 + (e >> 1) * 8;
-                const bool ok = key <= qp && (window <= 0 || key > qp - window);
-                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int rh = 0; rh < 2; rh++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mrow[rh], mx);
-            const float muse = mnew == NEG_INF ? 0.0f : mnew;
-            const float corr = exp2f(mrow[rh] - muse);
-            mrow[rh] = mnew;
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) {
-                const float p0 = exp2f(s[nt][2 * rh] - muse), p1 = exp2f(s[nt][2 * rh + 1] - muse);
-                s[nt][2 * rh] = p0;
-                s[nt][2 * rh + 1] = p1;
-                rs += p0 + p1;
-            }
-            lrow[rh] = lrow[rh] * corr + rs;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                o[dt][2 * rh] *= corr;
-                o[dt][2 * rh + 1] *= corr;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_BN / 16; kk++) {
-            u32 a[4];
-            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3, &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
-                mma_bf16_16816(o[2 * dp], a, b0, b1);
-                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
-            }
-        }
+        fa_tile<D>(o, mrow, lrow, qf, sk, sv, kt, qrow0, window, scale_log2);
     }
 
-#pragma unroll
-    for (int rh = 0; rh < 2; rh++) {
-        float l = lrow[rh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row = warp * 16 + (lane >> 2) + rh * 8;
-        if (row < qn) {
-            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                const int d = dt * 8 + 2 * (lane & 3);
-                act_store(out, base + d, o[dt][2 * rh] * inv);
-                act_store(out, base + d + 1, o[dt][2 * rh + 1] * inv);
-            }
-        }
-    }
+    fa_store<T, D>(out, o, lrow, start + q0, qn, n_heads, h);
 }
 
 // The same computation with the K/V tiles double-buffered: while a tile is multiplied, the
@@ -244,18 +275,8 @@ __device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const b
     };
 
     issue(0);
-    for (int e = tid; e < FA_BM * CH; e += FA_THREADS) {
-        const int r = e / CH, c = e % CH;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < qn) val = load8_as_bf16(q + ((long)(start + q0 + r) * n_heads + h) * D + c * 8);
-        *reinterpret_cast<uint4*>(&sq[swz<D>(r, c * 8)]) = val;
-    }
-    __syncthreads();
     u32 qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], &sq[swz<D>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-    }
+    fa_load_q<T, D>(qf, sq, q, start + q0, qn, n_heads, h);
 
     float o[D / 8][4];
 #pragma unroll
@@ -275,90 +296,11 @@ __device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const b
         const bf16_t* sk = skv + (it & 1) * 2 * FA_BN * D;
         const bf16_t* sv = sk + FA_BN * D;
 
-        float s[FA_BN / 8][4];
-#pragma unroll
-        for (int i = 0; i < FA_BN / 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-#pragma unroll
-            for (int np = 0; np < FA_BN / 16; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3, &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
-                mma_bf16_16816(s[2 * np], qf[kk], b0, b1);
-                mma_bf16_16816(s[2 * np + 1], qf[kk], b2, b3);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < FA_BN / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
-                const int qp = qrow0 + (e >> 1) * 8;
-                const bool ok = key <= qp && (window <= 0 || key > qp - window);
-                s[nt][e] = ok ? s[nt][e] * scale_log2 : NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int rh = 0; rh < 2; rh++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * rh], s[nt][2 * rh + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float mnew = fmaxf(mrow[rh], mx);
-            const float muse = mnew == NEG_INF ? 0.0f : mnew;
-            const float corr = exp2f(mrow[rh] - muse);
-            mrow[rh] = mnew;
-            float rs = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < FA_BN / 8; nt++) {
-                const float p0 = exp2f(s[nt][2 * rh] - muse), p1 = exp2f(s[nt][2 * rh + 1] - muse);
-                s[nt][2 * rh] = p0;
-                s[nt][2 * rh + 1] = p1;
-                rs += p0 + p1;
-            }
-            lrow[rh] = lrow[rh] * corr + rs;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                o[dt][2 * rh] *= corr;
-                o[dt][2 * rh + 1] *= corr;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_BN / 16; kk++) {
-            u32 a[4];
-            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3, &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
-                mma_bf16_16816(o[2 * dp], a, b0, b1);
-                mma_bf16_16816(o[2 * dp + 1], a, b2, b3);
-            }
-        }
+        fa_tile<D>(o, mrow, lrow, qf, sk, sv, kt, qrow0, window, scale_log2);
         __syncthreads();  // this stage is refilled two iterations on
     }
 
-#pragma unroll
-    for (int rh = 0; rh < 2; rh++) {
-        float l = lrow[rh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row = warp * 16 + (lane >> 2) + rh * 8;
-        if (row < qn) {
-            const long base = ((long)(start + q0 + row) * n_heads + h) * D;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; dt++) {
-                const int d = dt * 8 + 2 * (lane & 3);
-                act_store(out, base + d, o[dt][2 * rh] * inv);
-                act_store(out, base + d + 1, o[dt][2 * rh + 1] * inv);
-            }
-        }
-    }
+    fa_store<T, D>(out, o, lrow, start + q0, qn, n_heads, h);
 }
 
 #define PREFILL_WRAPPER(T, S, D)                                                                                   \
