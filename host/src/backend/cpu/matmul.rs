@@ -240,18 +240,15 @@ fn run_direct(
     y: SyncPtr<f32>,
 ) {
     let (bytes, rb) = (w.bytes(), w.row_bytes());
-    let task_bytes = &bytes[rows.start * rb..rows.end * rb];
     let mut out = [0f32; 16];
-    for (t0, tn) in steps(a.n_tokens, true) {
-        for (dr, rn) in steps(rows.len(), false) {
-            let r0 = rows.start + dr;
-            if t0 == 0 {
-                // First pass over these rows: keep PREFETCH_BYTES of weights in flight.
-                if dr == 0 {
-                    prefetch(task_bytes, 0, PREFETCH_BYTES);
-                }
-                prefetch(task_bytes, dr * rb + PREFETCH_BYTES, rn * rb);
-            }
+    let token_steps = steps(a.n_tokens, true);
+    walk_tiles(
+        bytes,
+        rb,
+        rows,
+        token_steps,
+        |n| steps(n, false),
+        |r0, rn, t0, tn| {
             // SAFETY: `select` checked the ISA; rows r0..r0+rn lie within the weight, whose
             // byte length `matmul_with_isa` checked; `a` was built for this weight's columns
             // and n_tokens >= t0 + tn; this task alone writes rows `rows` of y.
@@ -259,6 +256,33 @@ fn run_direct(
                 (k.tile(rn, tn))(&bytes[r0 * rb..], rb, a, t0, &mut out);
                 scatter(y, w.rows, r0, rn, t0, tn, &out);
             }
+        },
+    );
+}
+
+/// Walks a task's tiles of weight rows `rows` (row bytes `rb` of `bytes`): token steps
+/// outermost, row steps (`row_steps(rows.len())`, offsets within the task) inside, calling
+/// `tile(r0, rn, t0, tn)` with absolute rows. On the first token pass the weight rows are
+/// prefetched PREFETCH_BYTES ahead of the tile being computed.
+pub(super) fn walk_tiles<S: Iterator<Item = (usize, usize)>>(
+    bytes: &[u8],
+    rb: usize,
+    rows: std::ops::Range<usize>,
+    token_steps: impl Iterator<Item = (usize, usize)>,
+    row_steps: impl Fn(usize) -> S,
+    mut tile: impl FnMut(usize, usize, usize, usize),
+) {
+    let task_bytes = &bytes[rows.start * rb..rows.end * rb];
+    for (t0, tn) in token_steps {
+        for (dr, rn) in row_steps(rows.len()) {
+            if t0 == 0 {
+                // First pass over these rows: keep PREFETCH_BYTES of weights in flight.
+                if dr == 0 {
+                    prefetch(task_bytes, 0, PREFETCH_BYTES);
+                }
+                prefetch(task_bytes, dr * rb + PREFETCH_BYTES, rn * rb);
+            }
+            tile(rows.start + dr, rn, t0, tn);
         }
     }
 }

@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 
-use super::matmul::{check_product, prefetch, Plan, PREFETCH_BYTES};
+use super::matmul::{check_product, walk_tiles, Plan};
 use super::pool::ThreadPool;
 use super::quant::a16::{self, Kernel16, MAX_ROWS, MAX_TOKENS};
 use super::quant::act::SyncPtr;
@@ -106,18 +106,15 @@ fn run_task(
     y: SyncPtr<f32>,
 ) {
     let (bytes, rb) = (w.bytes(), w.row_bytes());
-    let task_bytes = &bytes[rows.start * rb..rows.end * rb];
     let mut out = [0f32; 16];
-    for (t0, tn) in steps(a.n_tokens, MAX_TOKENS) {
-        for (dr, rn) in steps(rows.len(), MAX_ROWS) {
-            let r0 = rows.start + dr;
-            if t0 == 0 {
-                // First pass over these rows: keep PREFETCH_BYTES of weights in flight.
-                if dr == 0 {
-                    prefetch(task_bytes, 0, PREFETCH_BYTES);
-                }
-                prefetch(task_bytes, dr * rb + PREFETCH_BYTES, rn * rb);
-            }
+    let token_steps = steps(a.n_tokens, MAX_TOKENS);
+    walk_tiles(
+        bytes,
+        rb,
+        rows,
+        token_steps,
+        |n| steps(n, MAX_ROWS),
+        |r0, rn, t0, tn| {
             // SAFETY: `select` checked the ISA; rows r0..r0+rn lie within the weight, whose
             // byte length `matmul16_with_isa` checked; `a` was quantized from this weight's
             // columns (pairs = blocks.div_ceil(2)) with n_tokens >= t0 + tn; this task alone
@@ -130,8 +127,8 @@ fn run_task(
                     }
                 }
             }
-        }
-    }
+        },
+    );
 }
 
 #[cfg(test)]
