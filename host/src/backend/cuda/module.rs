@@ -303,6 +303,7 @@ impl Module {
                 let mut g = [[KernelId(0); 3]; 4];
                 for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
                     for (si, &(r, u)) in GEMVB_SHAPES.iter().enumerate() {
+                        // The SwiGLU kernels (`gemvbs`, `gemvbns`) pair rows: no (1, 8).
                         let (r, u) = if base.ends_with('s') && r == 1 {
                             GEMVB_SHAPES[1]
                         } else {
