@@ -42,12 +42,24 @@ __device__ void add_impl(T* x, const T* y, long n) {
     }
 }
 
+// SwiGLU of one gate and up value; the GEMVs that fold it in (`gemvb*s*`) call this too, so
+// both paths round alike.
+__device__ __forceinline__ float swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 template <typename T>
 __device__ void silu_mul_impl(T* gate, const T* up, long n) {
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const float g = act_load(gate, i);
-        act_store(gate, i, g / (1.0f + expf(-g)) * act_load(up, i));
+        act_store(gate, i, swiglu(act_load(gate, i), act_load(up, i)));
     }
+}
+
+// One rotated pair: (a c - b s, a s + b c), rounded product by product (no FMA contraction), so
+// every kernel that rotates (these, `rope_kv`, the folded decode attention) rounds alike.
+__device__ __forceinline__ float rope_ra(float a, float b, float c, float s) {
+    return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+}
+__device__ __forceinline__ float rope_rb(float a, float b, float c, float s) {
+    return __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
 }
 
 // Rotates pairs of each head by the token's angle table row (`cos`/`sin`: [tokens, half]).
@@ -64,8 +76,8 @@ __device__ void rope_impl(T* x, const float* cs, const float* sn, long n_tokens,
         const long ib = style == 0 ? ia + 1 : ia + half;
         const float c = cs[t * half + i], s = sn[t * half + i];
         const float a = act_load(x, ia), b = act_load(x, ib);
-        act_store(x, ia, a * c - b * s);
-        act_store(x, ib, a * s + b * c);
+        act_store(x, ia, rope_ra(a, b, c, s));
+        act_store(x, ib, rope_rb(a, b, c, s));
     }
 }
 
@@ -87,8 +99,8 @@ __device__ void rope2_impl(T* x1, T* x2, const float* cs, const float* sn, long 
         const long ib = style == 0 ? ia + 1 : ia + half;
         const float c = cs[t * half + i], s = sn[t * half + i];
         const float a = act_load(x, ia), b = act_load(x, ib);
-        act_store(x, ia, a * c - b * s);
-        act_store(x, ib, a * s + b * c);
+        act_store(x, ia, rope_ra(a, b, c, s));
+        act_store(x, ib, rope_rb(a, b, c, s));
     }
 }
 
@@ -214,7 +226,7 @@ __device__ void rope_kv_impl(T* q, T* k, const T* v, bf16_t* kc, bf16_t* vc, con
             const long ib = style == 0 ? ia + 1 : ia + half;
             const float c = cs[t * half + i], s = sn[t * half + i];
             const float a = act_load(x, ia), b = act_load(x, ib);
-            const float ra = a * c - b * s, rb = a * s + b * c;
+            const float ra = rope_ra(a, b, c, s), rb = rope_rb(a, b, c, s);
             act_store(x, ia, ra);
             act_store(x, ib, rb);
             if (!isq) {

@@ -174,9 +174,15 @@ GEMV_ALL(bf16_t, bf16)
 //   as the separate norm would (each block writes a slice), for any later reader.
 // - GEMVB_ACC, a residual add after it (one segment): y = W x, then res += y, rounded as the
 //   separate add kernel rounds.
+// - GEMVB_SWIGLU, SwiGLU after a gate/up pair (two segments of equal rows, alone or with the
+//   norm): a block owns R/2 gate rows and the same R/2 up rows, and writes silu(gate) * up
+//   into the gate output, both rounded to the activation type first as the separate
+//   `silu_mul` kernel reads them (the up output is not written).
+// Modes are bits; NORM and SWIGLU combine.
 #define GEMVB_PLAIN 0
 #define GEMVB_NORM 1
 #define GEMVB_ACC 2
+#define GEMVB_SWIGLU 4
 
 // An activation rounded to its storage type, kept as float.
 __device__ __forceinline__ float act_round(const float*, float v) { return v; }
@@ -186,7 +192,9 @@ template <typename T, int WT, int N, int R, int U, int MODE>
 __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0,
                                            int m1, int m2, const T* x, int n, int k, long row_bytes,
                                            const float* g, float eps, T* h, T* res) {
-    constexpr int RED = R * N + (MODE == GEMVB_NORM ? N : 0);
+    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0, SWIGLU = (MODE & GEMVB_SWIGLU) != 0;
+    static_assert(!SWIGLU || R % 2 == 0, "SwiGLU pairs rows");
+    constexpr int RED = R * N + (NORM ? N : 0);
     __shared__ float red[GEMVB_THREADS / 32][RED];
     __shared__ float rstd[N];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -199,8 +207,11 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
     bool ok[R];
 #pragma unroll
     for (int i = 0; i < R; i++) {
-        const long g = row0 + i;
-        ok[i] = true;
+        // SwiGLU: rows i < R/2 are gate rows blockIdx.x * R/2 + i, the others the up rows of
+        // the same indices.
+        const long g = SWIGLU ? (long)blockIdx.x * (R / 2) + (i % (R / 2)) + (i < R / 2 || m1 != m0 ? 0 : m0)
+                              : row0 + i;
+        ok[i] = !SWIGLU || (m1 == m0 && (long)blockIdx.x * (R / 2) + (i % (R / 2)) < m0);
         if (g < m0) {
             wr[i] = w0; yr[i] = y0; rr[i] = g; mr[i] = m0;
         } else if (g < (long)m0 + m1) {
@@ -238,7 +249,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
             waited = true;
             // The residual this thread's output adds to (written by earlier kernels), read
             // now so that its latency hides behind the products.
-            if (MODE == GEMVB_ACC) {
+            if (ACC) {
 #pragma unroll
                 for (int i = 0; i < R; i++)
 #pragma unroll
@@ -251,7 +262,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
             const int c = c0 + GEMVB_THREADS * u;
             if (c < nch) {
                 float gf[8];
-                if (MODE == GEMVB_NORM) {
+                if (NORM) {
                     const float4 ga = *reinterpret_cast<const float4*>(g + (long)c * 8);
                     const float4 gb = *reinterpret_cast<const float4*>(g + (long)c * 8 + 4);
                     gf[0] = ga.x; gf[1] = ga.y; gf[2] = ga.z; gf[3] = ga.w;
@@ -262,7 +273,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
                     if (N == 1 || t < n) {
                         float xf[8];
                         act_load8(x + (long)t * k + (long)c * 8, xf);
-                        if (MODE == GEMVB_NORM) {
+                        if (NORM) {
 #pragma unroll
                             for (int j = 0; j < 8; j++) {
                                 ss[t] = fmaf(xf[j], xf[j], ss[t]);
@@ -292,7 +303,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
             const float s = warp_sum(acc[i][t]);
             if (lane == 0) red[warp][i * N + t] = s;
         }
-    if (MODE == GEMVB_NORM) {
+    if (NORM) {
 #pragma unroll
         for (int t = 0; t < N; t++) {
             const float s = warp_sum(ss[t]);
@@ -300,7 +311,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         }
     }
     __syncthreads();
-    if (MODE == GEMVB_NORM) {
+    if (NORM) {
         if (tid < N) {
             float s = 0.0f;
 #pragma unroll
@@ -319,22 +330,32 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
     }
     // Compile-time row and token indices, so the per-row arrays stay in registers.
 #pragma unroll
-    for (int i = 0; i < R; i++)
+    for (int i = 0; i < (SWIGLU ? R / 2 : R); i++)
 #pragma unroll
         for (int t = 0; t < N; t++) {
             if (tid == i * N + t && ok[i] && t < n) {
                 float s = 0.0f;
 #pragma unroll
                 for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi][i * N + t];
-                if (MODE == GEMVB_NORM) s *= rstd[t];
+                if (NORM) s *= rstd[t];
                 const long e = (long)t * mr[i] + rr[i];
-                act_store(yr[i], e, s);
-                if (MODE == GEMVB_ACC) act_store(res, e, resv + act_round(yr[i], s));
+                if (SWIGLU) {
+                    const int iu = i + R / 2;
+                    float su = 0.0f;
+#pragma unroll
+                    for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) su += red[wi][iu * N + t];
+                    if (NORM) su *= rstd[t];
+                    act_store(yr[i], e, swiglu(act_round(yr[i], s), act_round(yr[i], su)));
+                } else {
+                    act_store(yr[i], e, s);
+                }
+                if (ACC) act_store(res, e, resv + act_round(yr[i], s));
             }
         }
 }
 
-// gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add)
+// gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add),
+// "s" (SwiGLU), "ns" (norm and SwiGLU)
 #define GEMVB_WRAPPER(T, S, WT, WS, N, R, U, MODE, MS)                                                            \
     extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvb##MS##_##WS##_n##N##_r##R##u##U##_##S(        \
         const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2, const T* x, int n, \
@@ -361,3 +382,15 @@ GEMVB_PLAIN_ALL(float, f32)
 GEMVB_PLAIN_ALL(bf16_t, bf16)
 GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_NORM, n)
 GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_ACC, a)
+// SwiGLU pairs rows: shapes (4, 2) and (2, 4) only.
+#define GEMVB_SWIGLU_TOKENS(MODE, MS)                                  \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 2, 4, MODE, MS)
+GEMVB_SWIGLU_TOKENS(GEMVB_SWIGLU, s)
+GEMVB_SWIGLU_TOKENS(GEMVB_NORM | GEMVB_SWIGLU, ns)

@@ -272,16 +272,23 @@ fn rope_and_kv_write_fold_into_one_launch() {
         outs
     }
     for act in [Act::F32, Act::Bf16] {
-        let Some(be) = backend(act) else { return };
-        let plain = CudaBackend::new(
-            0,
-            CudaOptions {
-                act: Some(act),
-                fuse_rope_kv: false,
-                ..CudaOptions::from_env().unwrap()
-            },
-        )
-        .unwrap();
+        if backend(act).is_none() {
+            return;
+        }
+        // The decode steps' fold into the attention kernel itself is tested below.
+        let with = |fuse_rope_kv| {
+            CudaBackend::new(
+                0,
+                CudaOptions {
+                    act: Some(act),
+                    fuse_rope_kv,
+                    fuse_attn: false,
+                    ..CudaOptions::from_env().unwrap()
+                },
+            )
+            .unwrap()
+        };
+        let (be, plain) = (with(true), with(false));
         let got = go(&be, &p, spec, &tables, &plan, &data);
         let unfolded = go(&plain, &p, spec, &tables, &plan, &data);
         let want = go(&cpu, &p, spec, &tables, &plan, &data);
@@ -302,6 +309,132 @@ fn rope_and_kv_write_fold_into_one_launch() {
             // attention test above; the rotated q and k are plain f32 arithmetic.
             let t = if i % 3 == 0 { 1e-2 } else { 1e-4 };
             assert_close(&what, g, w, tol(act, t));
+        }
+    }
+}
+
+/// Decode steps through the fused kernel (`attn_dec1_*`: the RoPE of q and k, the K/V write,
+/// attention and the split merge in one cluster launch) against the same calls with it off
+/// (`rope_kv`, attention, combine): bit-identical outputs, rotated q and k, and later steps
+/// reading the keys it cached; 1, 2, 4 and 8 key splits and a longer context (16 splits:
+/// not fused), chunked prefill steps between them, GQA groups of 1, 3, 4 and 8, head dims 64
+/// and 128, both rotary styles and a window; fewer launches, and within rounding of the CPU.
+#[test]
+fn decode_attention_folds_rope_kv_write_and_split_merge() {
+    let mut rng = Rng::fresh("attn_dec1");
+    let cpu = CpuBackend::new(2);
+    // (heads, kv heads, head dim, window, style)
+    let shapes = [
+        (8usize, 2usize, 64usize, None, RopeStyle::Half),
+        (12, 4, 128, Some(40), RopeStyle::Interleaved),
+        (8, 1, 128, None, RopeStyle::Half),
+        (6, 6, 64, None, RopeStyle::Interleaved),
+    ];
+    // Two sequences; decode steps at contexts of 1, 2, 4, 8 and 16 splits.
+    let plan: Plan = vec![
+        vec![(0, 20), (0, 5)],
+        vec![(20, 1), (5, 1)],
+        vec![(21, 30), (6, 50)],
+        vec![(51, 1), (56, 1)],
+        vec![(52, 60), (57, 10)],
+        vec![(112, 1), (67, 1)],
+        vec![(113, 100), (68, 1)],
+        vec![(213, 1), (69, 1)],
+        vec![(214, 200), (70, 1)],
+        vec![(414, 1), (71, 1)],
+        vec![(415, 1), (72, 1)],
+    ];
+    let bs = 16;
+    for act in [Act::F32, Act::Bf16] {
+        let Some(fused) = backend(act) else { return };
+        let plain = CudaBackend::new(
+            0,
+            CudaOptions {
+                act: Some(act),
+                fuse_attn: false,
+                ..CudaOptions::from_env().unwrap()
+            },
+        )
+        .unwrap();
+        for &(h, kvh, hd, window, style) in &shapes {
+            let p = AttnParams {
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window,
+            };
+            let spec = RopeSpec {
+                theta: 10000.0,
+                dims: hd,
+                style,
+                scale: 1.0,
+            };
+            let per_seq = 420usize.div_ceil(bs);
+            let mut ids: Vec<u32> = (0..(2 * per_seq) as u32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, rng.below(i + 1));
+            }
+            let tables: Vec<Vec<u32>> = ids.chunks(per_seq).map(|c| c.to_vec()).collect();
+            let (qw, kw) = (h * hd, kvh * hd);
+            let data: Vec<Vec<f32>> = plan
+                .iter()
+                .map(|s| {
+                    let n: usize = s.iter().map(|x| x.1).sum();
+                    rng.vec(n * (qw + 2 * kw), 1.0)
+                })
+                .collect();
+            macro_rules! steps {
+                ($be:expr) => {{
+                    let be = $be;
+                    let mut kv = be
+                        .new_kv(KvShape {
+                            layers: 1,
+                            num_blocks: 2 * per_seq,
+                            block_size: bs,
+                            kv_heads: kvh,
+                            head_dim: hd,
+                        })
+                        .unwrap();
+                    let mut outs = Vec::new();
+                    for (si, step) in plan.iter().enumerate() {
+                        let mut b = Batch::default();
+                        for (s, &(pos, len)) in step.iter().enumerate() {
+                            b.push(&vec![0; len], pos, tables[s].clone(), true);
+                        }
+                        let n = b.n_tokens();
+                        let mut st = be.prepare_step(&b, bs).unwrap();
+                        let d = &data[si];
+                        let mut q = upload(be, n, qw, &d[..n * qw]);
+                        let mut k = upload(be, n, kw, &d[n * qw..n * (qw + kw)]);
+                        let v = upload(be, n, kw, &d[n * (qw + kw)..]);
+                        let mut out = be.zeros(n * qw).unwrap();
+                        be.rope(&mut st, spec, &mut q, h, hd).unwrap();
+                        be.rope(&mut st, spec, &mut k, kvh, hd).unwrap();
+                        be.attention(&st, &mut kv, 0, &p, &q, &k, &v, &mut out)
+                            .unwrap();
+                        outs.extend([out, q, k].iter().map(|b| be.to_host(b).unwrap()));
+                    }
+                    outs
+                }};
+            }
+            let ops0 = (fused.stats().ops, plain.stats().ops);
+            let got = steps!(&fused);
+            let unfused = steps!(&plain);
+            let ops = (fused.stats().ops - ops0.0, plain.stats().ops - ops0.1);
+            let want = steps!(&cpu);
+            let shape = format!("{act:?} h={h} kv={kvh} d={hd} window={window:?} {style:?}");
+            eprintln!("{shape}: {} ops fused, {} not", ops.0, ops.1);
+            assert!(ops.0 < ops.1, "{shape}: nothing was fused");
+            for (i, ((g, u), w)) in got.iter().zip(&unfused).zip(&want).enumerate() {
+                let what = format!("{shape} step {} {}", i / 3, ["out", "q", "k"][i % 3]);
+                assert!(
+                    g.iter().zip(u).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{what}: fused and unfused launches differ"
+                );
+                let t = if i % 3 == 0 { 1e-2 } else { 1e-4 };
+                assert_close(&what, g, w, tol(act, t));
+            }
         }
     }
 }

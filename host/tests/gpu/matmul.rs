@@ -362,3 +362,80 @@ fn skinny_tensor_core_gemms_match_the_cpu_and_fold_swiglu() {
         }
     }
 }
+
+/// SwiGLU folded into the block gate/up GEMV (`gemvbs_*`, and `gemvbns_*` with the RMSNorm
+/// before it: bf16 weights and activations, up to 8 tokens, rows of at least 2048) against
+/// the CPU backend and against CUDA with the fold off (`fuse_silu: false`), which must flush
+/// one launch more and give bit-identical outputs: odd row counts (a block's last gate rows
+/// past the end), every token bound, the (4, 2) and (2, 4) row shapes and k beyond 8192 (whose
+/// unfolded kernel takes one row a block).
+#[test]
+fn swiglu_folds_into_block_gate_up_gemvs() {
+    let Some(be) = backend(Act::Bf16) else {
+        return;
+    };
+    let plain = deepinfer::backend::cuda::CudaBackend::new(
+        0,
+        deepinfer::backend::cuda::CudaOptions {
+            act: Some(Act::Bf16),
+            fuse_silu: false,
+            ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
+        },
+    )
+    .unwrap();
+    let cpu = deepinfer::backend::cpu::CpuBackend::new(2);
+    let mut rng = Rng::fresh("swiglu fold");
+    for &(k, n, f, norm) in &[
+        (2056usize, 1usize, 37usize, true),
+        (2056, 1, 37, false),
+        (4104, 1, 19, true),
+        (8200, 1, 23, true),
+        (2048, 3, 29, true),
+        (6144, 8, 11, false),
+        (4096, 2, 5, true),
+    ] {
+        let wg = random_weight(&mut rng, DType::BF16, f, k);
+        let wu = random_weight(&mut rng, DType::BF16, f, k);
+        let gain = Weight::from_f32(1, k, &rng.vec(k, 1.0));
+        let x = rng.vec(n * k, 2.0);
+        // h = norm(x) (or x itself); g = silu(Wg h) * (Wu h).
+        macro_rules! run {
+            ($b:expr) => {{
+                let b = $b;
+                let (gg, gu, gn) = (
+                    b.prepare_weight(&wg).unwrap(),
+                    b.prepare_weight(&wu).unwrap(),
+                    b.prepare_weight(&gain).unwrap(),
+                );
+                let xb = upload(b, n, k, &x);
+                let mut h = b.zeros(n * k).unwrap();
+                let mut g = b.zeros(n * f).unwrap();
+                let mut u = b.zeros(n * f).unwrap();
+                let input = if norm {
+                    b.rms_norm(&xb, &gn, 1e-5, &mut h).unwrap();
+                    &h
+                } else {
+                    &xb
+                };
+                b.matmul(&gg, input, n, &mut g).unwrap();
+                b.matmul(&gu, input, n, &mut u).unwrap();
+                b.silu_mul(&mut g, &u).unwrap();
+                b.to_host(&g).unwrap()
+            }};
+        }
+        let ops0 = (be.stats().ops, plain.stats().ops);
+        let got = run!(&be);
+        let unfolded = run!(&plain);
+        let ops = (be.stats().ops - ops0.0, plain.stats().ops - ops0.1);
+        let want = run!(&cpu);
+        let what = format!("swiglu gemv k={k} n={n} rows={f} norm={norm}");
+        eprintln!("{what}: {} ops flushed folded, {} unfolded", ops.0, ops.1);
+        assert_eq!(ops.0 + 1, ops.1, "{what}: SwiGLU was not folded");
+        assert_close(&what, &got, &want, 1.5e-2);
+        let same = got
+            .iter()
+            .zip(&unfolded)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}: folded and unfolded outputs differ");
+    }
+}

@@ -87,6 +87,16 @@ pub(crate) fn attention(
         .layer(layer)
         .ok_or_else(|| Error::BadRequest(format!("layer {layer} is outside the KV cache")))?;
     let kern = inner.module.act(inner.act());
+    if decode_fused(
+        inner,
+        kern,
+        step,
+        p,
+        [q.ptr(), k.ptr(), v.ptr(), kc, vc],
+        out.ptr(),
+    ) {
+        return Ok(());
+    }
     let folded = inner.opts.fuse
         && inner.opts.fuse_rope_kv
         && fold_rope_kv(inner, kern, [q.ptr(), k.ptr(), v.ptr(), kc, vc], step, p);
@@ -135,14 +145,7 @@ pub(crate) fn attention(
     let maxg = group.next_power_of_two().min(DEC_MAXG);
     let gi = DECODE_GROUPS.iter().position(|&g| g == maxg).unwrap_or(3);
     let hgroups = group.div_ceil(maxg);
-    // Splits follow the batch's bucket, not its size, so a padded step and the same batch
-    // unpadded reduce each row's keys in the same order (bit-identical rows).
-    let blocks = super::step::bucket(n).unwrap_or(n) * p.n_kv_heads * hgroups;
-    let ctx = match p.window {
-        Some(w) => step.max_ctx.min(w),
-        None => step.max_ctx,
-    };
-    let splits = splits_for(blocks, ctx);
+    let splits = decode_splits(step, p, hgroups);
     let (part_o, part_ml) = if splits > 1 {
         (
             Some(inner.scratch(n * p.n_heads * splits * p.head_dim, 4)?),
@@ -201,6 +204,99 @@ pub(crate) fn attention(
     Ok(())
 }
 
+/// Key splits of the decode kernels for `hgroups` blocks of query heads per KV head. They
+/// follow the batch's bucket, not its size, so a padded step and the same batch unpadded
+/// reduce each row's keys in the same order (bit-identical rows).
+fn decode_splits(step: &CudaStep, p: &AttnParams, hgroups: usize) -> usize {
+    let n = step.n_tokens;
+    let blocks = super::step::bucket(n).unwrap_or(n) * p.n_kv_heads * hgroups;
+    let ctx = match p.window {
+        Some(w) => step.max_ctx.min(w),
+        None => step.max_ctx,
+    };
+    splits_for(blocks, ctx)
+}
+
+/// Most key splits of the fused decode kernel: one cluster holds them (the portable size).
+const DEC1_MAX_SPLITS: usize = 8;
+
+/// Queues the fused decode kernel (`attn_dec1_*`: RoPE of `q` and `k` when their rotations
+/// were queued just before, the K/V cache write, attention and the split merge in one
+/// cluster launch) when it takes this step: every sequence runs one token, head dim 64 or
+/// 128, at most [`DEC_MAXG`] query heads per KV head, at most [`DEC1_MAX_SPLITS`] key splits
+/// and a device with clusters. `bufs`: q, k, v and the layer's K and V caches. True when it
+/// queued it. Only steps of at most [`TARGET_BLOCKS`] blocks take it.
+fn decode_fused(
+    inner: &Inner,
+    kern: &super::module::ActKernels,
+    step: &CudaStep,
+    p: &AttnParams,
+    bufs: [u64; 5],
+    out: u64,
+) -> bool {
+    let [q, k, v, kc, vc] = bufs;
+    let group = p.n_heads / p.n_kv_heads;
+    let di = match p.head_dim {
+        64 => 0,
+        128 => 1,
+        _ => return false,
+    };
+    if !(inner.opts.fuse && inner.opts.fuse_attn && inner.module.clusters)
+        || step.max_len != 1
+        || group > DEC_MAXG
+        || step.n_tokens > 65_535
+    {
+        return false;
+    }
+    let splits = decode_splits(step, p, 1);
+    // Larger batches keep the separate launches: on the H200 a Llama-3-8B batch-32 step
+    // (512 blocks of the fused kernel, which holds more registers) took 6.50 ms fused against
+    // 6.11 ms, while batch 1 (64 blocks) gained 0.18 ms. One wave of two blocks an SM passes.
+    if splits > DEC1_MAX_SPLITS || splits * p.n_kv_heads * step.n_tokens > TARGET_BLOCKS {
+        return false;
+    }
+    let gi = DECODE_GROUPS
+        .iter()
+        .position(|&g| g == group.next_power_of_two())
+        .unwrap_or(3);
+    let mut queue = inner.queue();
+    // Without rotations to fold (none queued, or not of whole heads), q and k are read as
+    // they are: style -1.
+    let (cs, sn, style) = match take_ropes(&mut queue, kern, q, k, step.n_tokens, p) {
+        Some([cs, sn, _, style]) => (cs, sn, style),
+        None => (0, 0, (-1i32) as u32 as u64),
+    };
+    let scale_log2 = (p.scale * std::f32::consts::LOG2_E).to_bits() as u64;
+    queue.push(Op::Cluster {
+        kernel: kern.attn_dec1[di][gi],
+        grid: [splits as u32, p.n_kv_heads as u32, step.n_tokens as u32],
+        block: 128,
+        cluster: splits as u32,
+        args: vec![
+            out,
+            q,
+            k,
+            v,
+            kc,
+            vc,
+            step.slots(),
+            cs,
+            sn,
+            step.tok_seq(),
+            step.positions(),
+            step.tables(),
+            step.width as u64,
+            p.n_heads as u64,
+            p.n_kv_heads as u64,
+            step.block_size as u64,
+            scale_log2,
+            p.window.unwrap_or(0) as u64,
+            style,
+        ],
+    });
+    true
+}
+
 // The wide kernels (`FW_BM` = 128) take two of the step's 64-query work items a block.
 const _: () = assert!(super::step::PREFILL_TILE * 2 == 128);
 
@@ -251,37 +347,12 @@ fn fold_rope_kv(
     p: &AttnParams,
 ) -> bool {
     let [q, k, v, kc, vc] = bufs;
-    let (n, hd) = (step.n_tokens as u64, p.head_dim as u64);
     let mut queue = inner.queue();
-    // rope's arguments: x, cos, sin, tokens, heads, head_dim, half, style.
-    let rope_of = |op: Option<&Op>, x: u64, heads: usize| match op {
-        Some(Op::Launch { kernel, args, .. })
-            if *kernel == kern.rope
-                && args.len() == 8
-                && args[0] == x
-                && args[3] == n
-                && args[4] == heads as u64
-                && args[5] == hd
-                && args[6] * 2 == hd =>
-        {
-            Some([args[1], args[2], args[6], args[7]])
-        }
-        _ => None,
-    };
-    let Some(last) = queue.pop() else {
+    let Some([cs, sn, half, style]) = take_ropes(&mut queue, kern, q, k, step.n_tokens, p) else {
         return false;
     };
-    let Some(table) = rope_of(Some(&last), k, p.n_kv_heads) else {
-        queue.push(last);
-        return false;
-    };
-    let before = queue.last_mut().map(|o| &*o);
-    if rope_of(before, q, p.n_heads) != Some(table) {
-        queue.push(last);
-        return false;
-    }
-    queue.pop();
-    let [cs, sn, half, style] = table;
+    let hd = p.head_dim as u64;
+    let n = step.n_tokens as u64;
     let total = step.n_tokens * (p.n_heads + p.n_kv_heads) * half as usize
         + step.n_tokens * p.n_kv_heads * p.head_dim;
     queue.push(Op::Launch {
@@ -307,6 +378,46 @@ fn fold_rope_kv(
         ],
     });
     true
+}
+
+/// Takes back the RoPE launches of `q` and then `k` just queued when they share a table and
+/// rotate whole heads of `p`'s shape: their cos and sin tables, half and style.
+fn take_ropes(
+    queue: &mut super::queue::Queue,
+    kern: &super::module::ActKernels,
+    q: u64,
+    k: u64,
+    n_tokens: usize,
+    p: &AttnParams,
+) -> Option<[u64; 4]> {
+    let (n, hd) = (n_tokens as u64, p.head_dim as u64);
+    // rope's arguments: x, cos, sin, tokens, heads, head_dim, half, style.
+    let rope_of = |op: Option<&Op>, x: u64, heads: usize| match op {
+        Some(Op::Launch { kernel, args, .. })
+            if *kernel == kern.rope
+                && args.len() == 8
+                && args[0] == x
+                && args[3] == n
+                && args[4] == heads as u64
+                && args[5] == hd
+                && args[6] * 2 == hd =>
+        {
+            Some([args[1], args[2], args[6], args[7]])
+        }
+        _ => None,
+    };
+    let last = queue.pop()?;
+    let Some(table) = rope_of(Some(&last), k, p.n_kv_heads) else {
+        queue.push(last);
+        return None;
+    };
+    let before = queue.last_mut().map(|o| &*o);
+    if rope_of(before, q, p.n_heads) != Some(table) {
+        queue.push(last);
+        return None;
+    }
+    queue.pop();
+    Some(table)
 }
 
 #[cfg(test)]

@@ -119,15 +119,25 @@ enum Fold {
     Plain,
     Norm,
     Acc,
+    /// SwiGLU after a gate/up pair.
+    Swiglu,
+    /// The RMSNorm before a gate/up pair and SwiGLU after it.
+    NormSwiglu,
 }
 
 impl Fold {
     fn of(g: &Gemv) -> Fold {
-        match (g.norm.is_some(), g.res != 0) {
-            (true, _) => Fold::Norm,
-            (false, true) => Fold::Acc,
+        match (g.norm.is_some(), g.res != 0, g.swiglu) {
+            (true, _, true) => Fold::NormSwiglu,
+            (false, _, true) => Fold::Swiglu,
+            (true, _, false) => Fold::Norm,
+            (false, true, false) => Fold::Acc,
             _ => Fold::Plain,
         }
+    }
+
+    fn swiglu(self) -> bool {
+        matches!(self, Fold::Swiglu | Fold::NormSwiglu)
     }
 }
 
@@ -155,7 +165,8 @@ fn block_kernel(
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;
     let si = match (n, k) {
-        (1, k) if k > 8192 => 2,
+        // SwiGLU pairs a gate row with an up row: at least 2 rows a block.
+        (1, k) if k > 8192 && !fold.swiglu() => 2,
         (1, k) if k > 4096 => 1,
         _ => 0,
     };
@@ -163,6 +174,8 @@ fn block_kernel(
         Fold::Plain => kernels.gemvb[wi][ni][si],
         Fold::Norm => kernels.gemvb_norm.as_ref()?[ni][si],
         Fold::Acc => kernels.gemvb_acc.as_ref()?[ni][si],
+        Fold::Swiglu => kernels.gemvb_swiglu.as_ref()?[ni][si],
+        Fold::NormSwiglu => kernels.gemvb_norm_swiglu.as_ref()?[ni][si],
     };
     Some((id, GEMVB_SHAPES[si].0))
 }
@@ -189,6 +202,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
                 && g.p.can_join(x.ptr(), n, w.cols, w.row_bytes, y.ptr())
                 && g.norm.is_none_or(|nm| nm.0 != y.ptr())
                 && g.res == 0
+                && !g.swiglu
             {
                 g.p.segs.push(seg);
                 (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, Fold::of(g));
@@ -219,6 +233,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
         rows_per_block,
         norm,
         res: 0,
+        swiglu: false,
     }));
 }
 
@@ -285,15 +300,17 @@ fn gemt(inner: &Arc<Inner>, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) 
     }));
 }
 
-/// Folds `gate = silu(gate) * up` (`n` values) into the skinny GEMM just queued when that one
-/// computes exactly `gate` and `up` from one input; true when it did.
+/// Folds `gate = silu(gate) * up` (`n` values) into the GEMV or skinny GEMM just queued when
+/// that one computes exactly `gate` and `up` from one input; true when it did.
 pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> bool {
     if !inner.opts.fuse {
         return false;
     }
     let mut q = inner.queue();
-    let Some(Op::Gemt(g)) = q.last_mut() else {
-        return false;
+    let g = match q.last_mut() {
+        Some(Op::Gemt(g)) => g,
+        Some(Op::Gemv(g)) => return inner.opts.fuse_silu && fold_silu_gemv(inner, g, gate, up, n),
+        _ => return false,
     };
     let segs = &g.p.segs;
     if g.swiglu
@@ -308,4 +325,33 @@ pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> boo
     g.swiglu = true;
     g.kernel = inner.module.gemt_swiglu[gemt_bound(g.p.n)];
     true
+}
+
+/// [`fold_silu`] for a GEMV: a block-cooperative kernel with SwiGLU must exist for its shape.
+fn fold_silu_gemv(inner: &Inner, g: &mut Gemv, gate: u64, up: u64, n: usize) -> bool {
+    let segs = &g.p.segs;
+    if g.swiglu
+        || g.res != 0
+        || segs.len() != 2
+        || segs[0].1 != gate
+        || segs[1].1 != up
+        || segs[0].2 != segs[1].2
+        || segs[0].2 * g.p.n != n
+    {
+        return false;
+    }
+    let fold = if g.norm.is_some() {
+        Fold::NormSwiglu
+    } else {
+        Fold::Swiglu
+    };
+    match block_kernel(inner, inner.act(), g.wtype, g.p.n, g.p.k, fold) {
+        Some((kernel, rows_per_block)) => {
+            g.kernel = kernel;
+            g.rows_per_block = rows_per_block;
+            g.swiglu = true;
+            true
+        }
+        None => false,
+    }
 }

@@ -102,6 +102,14 @@ pub struct CudaOptions {
     pub fuse_add: bool,
     /// Fold the RoPE of queries and keys into the K/V cache write of attention (one launch).
     pub fuse_rope_kv: bool,
+    /// Fold SwiGLU into the block-cooperative gate/up GEMV (bf16 weights and activations, up
+    /// to 8 tokens): no `silu_mul` launch, the up rows are never written.
+    pub fuse_silu: bool,
+    /// Decode steps (one token a sequence) with head dims 64 and 128, up to 8 query heads
+    /// per KV head and up to 8 key splits: the RoPE of queries and keys, the K/V cache write
+    /// and the split merge in the attention kernel (`attn_dec1_*`: one launch instead of
+    /// three; sm_90+, the splits of a row form a thread-block cluster).
+    pub fuse_attn: bool,
     /// Skinny tensor-core GEMMs (`kernels/gemt.cu`) instead of cuBLAS for 9..=64 tokens of
     /// bf16 weights and activations. Off by default: on the H200 a Llama-3-8B batch-32 step
     /// took 6.57 ms with them (4 splits) against 6.18 ms through cuBLAS.
@@ -129,6 +137,8 @@ impl Default for CudaOptions {
             fuse_norm: true,
             fuse_add: true,
             fuse_rope_kv: true,
+            fuse_silu: true,
+            fuse_attn: true,
             gemt: false,
             gemt_splits: 4,
             fuse_moe: true,
@@ -140,7 +150,8 @@ impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
-    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off),
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
+    /// `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
@@ -165,6 +176,8 @@ impl CudaOptions {
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
         o.fuse_rope_kv = !off("DEEPINFER_CUDA_FUSE_ROPE_KV");
+        o.fuse_silu = !off("DEEPINFER_CUDA_FUSE_SILU");
+        o.fuse_attn = !off("DEEPINFER_CUDA_FUSE_ATTN");
         o.gemt = std::env::var("DEEPINFER_CUDA_GEMT").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_GEMT_SPLITS") {
             o.gemt_splits = match v.as_str() {

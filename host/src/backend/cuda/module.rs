@@ -180,6 +180,10 @@ pub struct ActKernels {
     /// By head dim 16, 32, 64, 128, 256 and query heads per block ([`DECODE_GROUPS`]).
     pub attn_decode: [[KernelId; 4]; 5],
     pub attn_combine: KernelId,
+    /// Decode attention with RoPE, the K/V write and the split merge folded in
+    /// (`attn_dec1_*`, cluster launches), by head dim 64, 128 and query heads per block
+    /// ([`DECODE_GROUPS`]).
+    pub attn_dec1: [[KernelId; 4]; 2],
     /// By head dim 64, 128.
     pub attn_prefill: [KernelId; 2],
     /// The double-buffered variant, by head dim 64, 128 (dynamic shared memory:
@@ -198,6 +202,11 @@ pub struct ActKernels {
     pub gemvb_norm: Option<[[KernelId; 3]; 4]>,
     /// Block GEMVs with a residual add folded in (`gemvba_*`), likewise.
     pub gemvb_acc: Option<[[KernelId; 3]; 4]>,
+    /// Gate/up block GEMVs with SwiGLU folded in (`gemvbs_*`), and with the RMSNorm before
+    /// them too (`gemvbns_*`), likewise; SwiGLU pairs rows, so shape (1, 8) is served by the
+    /// (2, 4) kernel.
+    pub gemvb_swiglu: Option<[[KernelId; 3]; 4]>,
+    pub gemvb_norm_swiglu: Option<[[KernelId; 3]; 4]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -236,6 +245,8 @@ pub struct Module {
     /// Launch with programmatic stream serialization (Hopper and later; see `pdl_wait` in
     /// `kernels/common.cuh`).
     pub pdl: bool,
+    /// Thread-block clusters (sm_90+).
+    pub clusters: bool,
     pub f32: ActKernels,
     pub bf16: ActKernels,
     pub rope_table: KernelId,
@@ -291,7 +302,13 @@ impl Module {
                 }
                 let mut g = [[KernelId(0); 3]; 4];
                 for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
-                    for (si, (r, u)) in GEMVB_SHAPES.iter().enumerate() {
+                    for (si, &(r, u)) in GEMVB_SHAPES.iter().enumerate() {
+                        // The SwiGLU kernels (`gemvbs`, `gemvbns`) pair rows: no (1, 8).
+                        let (r, u) = if base.ends_with('s') && r == 1 {
+                            GEMVB_SHAPES[1]
+                        } else {
+                            (r, u)
+                        };
                         g[ni][si] = n(&format!("{base}_bf16w_n{tn}_r{r}u{u}"))?;
                     }
                 }
@@ -317,6 +334,15 @@ impl Module {
                     a
                 },
                 attn_combine: n("attn_combine")?,
+                attn_dec1: {
+                    let mut a = [[KernelId(0); 4]; 2];
+                    for (di, d) in [64, 128].iter().enumerate() {
+                        for (gi, g) in DECODE_GROUPS.iter().enumerate() {
+                            a[di][gi] = n(&format!("attn_dec1_d{d}_g{g}"))?;
+                        }
+                    }
+                    a
+                },
                 attn_prefill: [n("attn_prefill_d64")?, n("attn_prefill_d128")?],
                 attn_prefill2: [n("attn_prefill2_d64")?, n("attn_prefill2_d128")?],
                 attn_prefill3: [n("attn_prefill3_d64")?, n("attn_prefill3_d128")?],
@@ -341,6 +367,8 @@ impl Module {
                 },
                 gemvb_norm: folded(&mut n, "gemvbn")?,
                 gemvb_acc: folded(&mut n, "gemvba")?,
+                gemvb_swiglu: folded(&mut n, "gemvbs")?,
+                gemvb_norm_swiglu: folded(&mut n, "gemvbns")?,
                 argmax: n("argmax")?,
                 topk: n("topk")?,
             })
@@ -425,6 +453,7 @@ impl Module {
         Ok(Module {
             funcs,
             pdl: major >= 9,
+            clusters: major >= 9,
             max_smem,
             f32,
             bf16,

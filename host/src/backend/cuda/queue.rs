@@ -97,6 +97,22 @@ pub struct Gemv {
     pub norm: Option<(u64, u64, u32)>,
     /// A residual add folded in: `res += y` (one segment; 0 for none).
     pub res: u64,
+    /// SwiGLU folded in (a gate/up pair of equal rows, block-cooperative kernels only): the
+    /// first output becomes silu(gate) * up, the second is not written.
+    pub swiglu: bool,
+}
+
+impl Gemv {
+    /// Blocks of the launch: `rows_per_block` rows each, or half as many gate rows (and the
+    /// same up rows) with SwiGLU.
+    pub fn blocks(&self) -> usize {
+        let per = self.rows_per_block.max(1);
+        if self.swiglu {
+            self.p.segs[0].2.div_ceil((per / 2).max(1))
+        } else {
+            self.p.segs.iter().map(|s| s.2).sum::<usize>().div_ceil(per)
+        }
+    }
 }
 
 /// A skinny tensor-core GEMM (see `kernels/gemt.cu`): `n` tokens (9..=64) times up to three
@@ -135,6 +151,14 @@ pub enum Op {
         grid: [u32; 3],
         block: u32,
         smem: u32,
+        args: Vec<u64>,
+    },
+    /// A kernel launched in thread-block clusters of `cluster` blocks along x (sm_90+).
+    Cluster {
+        kernel: KernelId,
+        grid: [u32; 3],
+        block: u32,
+        cluster: u32,
         args: Vec<u64>,
     },
     Gemv(Gemv),
@@ -442,6 +466,13 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             smem,
             args,
         } => launch(m, stream, pdl, 1, *kernel, *grid, *block, *smem, args),
+        Op::Cluster {
+            kernel,
+            grid,
+            block,
+            cluster,
+            args,
+        } => launch(m, stream, pdl, *cluster, *kernel, *grid, *block, 0, args),
         Op::Add { kernel, x, y, n } => {
             let grid = elementwise_grid(*n);
             launch(
@@ -468,14 +499,13 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
                 a[15] = g.p.x;
             }
             a[16] = g.res;
-            let rows: usize = g.p.segs.iter().map(|s| s.2).sum();
             launch(
                 m,
                 stream,
                 pdl,
                 1,
                 g.kernel,
-                [rows.div_ceil(g.rows_per_block.max(1)) as u32, 1, 1],
+                [g.blocks() as u32, 1, 1],
                 GEMV_THREADS,
                 0,
                 &a,
