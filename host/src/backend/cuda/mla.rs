@@ -188,13 +188,19 @@ pub(crate) fn attention(
     }
     let f = |v: f32| v.to_bits() as u64;
     let qf = inner.scratch(n * heads * width, 4)?;
+    // ds2: one more block column, which writes the cache rows
+    let (absorb, extra) = if inner.opts.ds2 {
+        (k.mla_q_absorb2[wi], 2)
+    } else {
+        (k.mla_q_absorb[wi], 1)
+    };
     launch(
         inner,
-        k.mla_q_absorb[wi],
+        absorb,
         [
             heads as u32,
             n.div_ceil(8) as u32,
-            (r.div_ceil(64) + 1) as u32,
+            (r.div_ceil(64) + extra) as u32,
         ],
         256,
         vec![
@@ -224,7 +230,11 @@ pub(crate) fn attention(
     let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
     launch(
         inner,
-        k.mla_decode,
+        if inner.opts.ds2 {
+            k.mla_decode2
+        } else {
+            k.mla_decode
+        },
         [n as u32, groups as u32, splits as u32],
         256,
         vec![
@@ -246,7 +256,11 @@ pub(crate) fn attention(
     );
     launch(
         inner,
-        k.mla_v_up[wi],
+        if inner.opts.ds2 {
+            k.mla_v_up2[wi]
+        } else {
+            k.mla_v_up[wi]
+        },
         [heads as u32, n as u32, d.v.div_ceil(V_ROWS) as u32],
         256,
         vec![

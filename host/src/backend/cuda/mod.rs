@@ -113,6 +113,10 @@ pub struct CudaOptions {
     /// plan; expert gate/up with the shared experts; down with the combine and the residual
     /// add), see `moe::forward_decode`.
     pub fuse_moe: bool,
+    /// The DeepSeek decode kernels of the 2026-11 latency work (`DEEPINFER_CUDA_DS2=0` turns
+    /// them off): MLA decode scoring a tile's keys together with the first tile loaded
+    /// before the programmatic wait, see `mla::attention`.
+    pub ds2: bool,
 }
 
 impl Default for CudaOptions {
@@ -132,6 +136,7 @@ impl Default for CudaOptions {
             gemt: false,
             gemt_splits: 4,
             fuse_moe: true,
+            ds2: true,
         }
     }
 }
@@ -140,7 +145,7 @@ impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
-    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off),
+    /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_DS2` (`0` turns them off),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
@@ -180,6 +185,7 @@ impl CudaOptions {
             };
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
+        o.ds2 = !off("DEEPINFER_CUDA_DS2");
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             None | Some("") => {}
