@@ -18,7 +18,7 @@ mod gpu {
     use std::path::Path;
 
     use deepinfer::backend::cpu::CpuBackend;
-    use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions};
+    use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions, Ds2};
     use deepinfer::backend::Backend;
     use deepinfer::model::arch::deepseek_v3::DeepseekV3;
     use deepinfer::model::batch::Batch;
@@ -50,7 +50,7 @@ mod gpu {
         let opts = CudaOptions {
             act,
             fuse_moe,
-            ds2,
+            ds2: if ds2 { Ds2::ALL } else { Ds2::NONE },
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))

@@ -189,7 +189,7 @@ pub(crate) fn attention(
     let f = |v: f32| v.to_bits() as u64;
     let qf = inner.scratch(n * heads * width, 4)?;
     // ds2: one more block column, which writes the cache rows
-    let (absorb, extra) = if inner.opts.ds2 {
+    let (absorb, extra) = if inner.opts.ds2.absorb {
         (k.mla_q_absorb2[wi], 2)
     } else {
         (k.mla_q_absorb[wi], 1)
@@ -230,7 +230,7 @@ pub(crate) fn attention(
     let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
     launch(
         inner,
-        if inner.opts.ds2 {
+        if inner.opts.ds2.decode {
             k.mla_decode2
         } else {
             k.mla_decode
@@ -256,7 +256,7 @@ pub(crate) fn attention(
     );
     launch(
         inner,
-        if inner.opts.ds2 {
+        if inner.opts.ds2.v_up {
             k.mla_v_up2[wi]
         } else {
             k.mla_v_up[wi]
@@ -280,7 +280,18 @@ pub(crate) fn attention(
 
 #[cfg(test)]
 mod tests {
+    use super::super::Ds2;
     use super::splits_for;
+
+    #[test]
+    fn ds2_switches_parse() {
+        assert_eq!(Ds2::parse("1").unwrap(), Ds2::ALL);
+        assert_eq!(Ds2::parse("all").unwrap(), Ds2::ALL);
+        assert_eq!(Ds2::parse("0").unwrap(), Ds2::NONE);
+        let d = Ds2::parse("decode, vup,route").unwrap();
+        assert!(d.decode && d.v_up && d.route && !d.absorb && !d.down_prefetch);
+        assert!(Ds2::parse("decode,fast").is_err());
+    }
 
     #[test]
     fn splits_follow_the_context_bucket() {

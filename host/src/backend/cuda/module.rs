@@ -208,13 +208,13 @@ pub struct ActKernels {
 pub struct DeepseekKernels {
     pub mla_q_absorb: [KernelId; 2],
     /// `mla_q_absorb` with the rotation's sines and cosines computed before the programmatic
-    /// wait and the cache rows in a block of their own (`CudaOptions::ds2`).
+    /// wait and the cache rows in a block of their own (`CudaOptions::ds2`, `Ds2`).
     pub mla_q_absorb2: [KernelId; 2],
     pub mla_decode: KernelId,
-    /// `mla_decode` scoring a tile's keys together (`CudaOptions::ds2`).
+    /// `mla_decode` scoring a tile's keys together (`CudaOptions::ds2`, `Ds2`).
     pub mla_decode2: KernelId,
     pub mla_v_up: [KernelId; 2],
-    /// `mla_v_up` loading the split outputs with their (max, sum) pairs (`CudaOptions::ds2`).
+    /// `mla_v_up` loading the split outputs with their (max, sum) pairs (`CudaOptions::ds2`, `Ds2`).
     pub mla_v_up2: [KernelId; 2],
     pub moe_route: KernelId,
     /// By weight type and assignments per pass (1, 8).

@@ -441,7 +441,7 @@ fn forward_decode(
             cfg.norm_topk_prob as u64,
             cfg.scaling.to_bits() as u64,
             slots as u64,
-            inner.opts.ds2 as u64,
+            inner.opts.ds2.route as u64,
         ],
     );
     let ti = usize::from(n > 1);
@@ -496,7 +496,7 @@ fn forward_decode(
             n as u64,
             d as u64,
             inter as u64,
-            inner.opts.ds2 as u64,
+            inner.opts.ds2.down_prefetch as u64,
         ],
     );
     layer.count_device_step();
