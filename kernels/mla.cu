@@ -66,7 +66,7 @@ __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to
 // c in [r, r + dr). Block (head, 8-token chunk, 64-column chunk; the last chunk copies the rope
 // queries): the tokens' nope queries are staged in shared memory, four groups of 64 threads
 // split the nope rows and their partial sums meet in shared memory.
-template <typename T, typename WT>
+template <typename T, typename WT, bool V2>
 __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int heads, int nope, int dr, int v,
                                   int r, T* cache, const T* kva, const float* gain, const float* inv_freq,
                                   const long* slots, const int* positions, float eps, float rs, int interleaved) {
@@ -79,10 +79,76 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
     const int W = r + dr, qk = nope + dr;
     const int cl = threadIdx.x & 63, jg = threadIdx.x >> 6;
     const int c = blockIdx.z * 64 + cl;
+    const int zr = (r + 63) / 64;  // the rope block; V2: zr + 1 writes the cache rows
+    if (V2 && (int)blockIdx.z >= zr) {
+        // V2: the rotation's sines and cosines (positions and frequencies are the step's
+        // inputs, uploaded before its kernels) computed before the wait, once per pair
+        __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
+        const int half = dr / 2;
+        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+            const int i = e / half, p = e % half;
+            const float ang = inv_freq[p] * (float)positions[t0 + i];
+            cs[i][p] = (float)cos((double)ang) * rs;
+            sn[i][p] = (float)sin((double)ang) * rs;
+        }
+        const bool rows = (int)blockIdx.z > zr;
+        if (rows && h != 0) return;
+        // each token's slot before the wait too
+        long sl = 0;
+        if (rows && (int)threadIdx.x < 8 && (int)threadIdx.x < nt) sl = slots[t0 + threadIdx.x];
+        __syncthreads();
+        pdl_wait();
+        if (!rows) {
+            for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+                const int i = e / half, p = e % half;
+                const int t = t0 + i;
+                const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+                const T* qh = q + ((long)t * heads + h) * qk + nope;
+                const float x = act_load(qh, a), y = act_load(qh, b);
+                float* o = qf + ((long)t * heads + h) * W + r;
+                o[a] = x * cs[i][p] - y * sn[i][p];
+                o[b] = y * cs[i][p] + x * sn[i][p];
+            }
+            return;
+        }
+        // the cache rows: RMS-normalized latent and rotated rope key, one warp-group of the
+        // block a token (all tokens' sums of squares at once)
+        __shared__ long slot_s[8];
+        __shared__ float inv_s[8];
+        if ((int)threadIdx.x < nt) slot_s[threadIdx.x] = sl;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        // warp i sums token i's squares (8 warps, up to 8 tokens)
+        if (warp < nt) {
+            const T* row = kva + (long)(t0 + warp) * W;
+            float ss = 0.0f;
+            for (int cc = lane; cc < r; cc += 32) {
+                const float x = act_load(row, cc);
+                ss = fmaf(x, x, ss);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) inv_s[warp] = 1.0f / sqrtf(ss / (float)r + eps);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < nt * r; e += blockDim.x) {
+            const int i = e / r, cc = e % r;
+            const T* row = kva + (long)(t0 + i) * W;
+            act_store(cache + slot_s[i] * (long)W, cc, gain[cc] * (act_load(row, cc) * inv_s[i]));
+        }
+        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+            const int i = e / half, p = e % half;
+            const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+            const T* row = kva + (long)(t0 + i) * W + r;
+            const float x = act_load(row, a), y = act_load(row, b);
+            T* dst = cache + slot_s[i] * (long)W + r;
+            act_store(dst, a, x * cs[i][p] - y * sn[i][p]);
+            act_store(dst, b, y * cs[i][p] + x * sn[i][p]);
+        }
+        return;
+    }
     // This thread's weights (rows jg, jg + 4, ... of column c) are no earlier kernel's
     // output: loaded before the wait.
     float wv[MLA_MAXNOPE / 4];
-    const bool wcol = (int)blockIdx.z < (r + 63) / 64 && c < r;
+    const bool wcol = (int)blockIdx.z < zr && c < r;
     const WT* wh = w + (long)h * (nope + v) * r + c;
 #pragma unroll
     for (int i = 0; i < MLA_MAXNOPE / 4; i++) {
@@ -90,7 +156,7 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
         wv[i] = (wcol && j < nope) ? mla_w(wh, (long)j * r) : 0.0f;
     }
     pdl_wait();
-    if ((int)blockIdx.z == (r + 63) / 64) {
+    if ((int)blockIdx.z == zr) {
         // the rope queries, rotated by position; head 0's blocks also write the cache rows
         const int half = dr / 2;
         for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
@@ -249,9 +315,221 @@ __device__ void mla_decode_impl(float* part_o, float* part_ml, const float* qf, 
     }
 }
 
+// mla_decode with the keys of a tile scored together (`DEEPINFER_CUDA_DS2`, on by default): each
+// warp's lanes form partial dot products of its 2 heads with all 16 keys of the tile, one
+// transposing butterfly (31 shuffles) leaves lane l with the score of head l / 16, key l % 16,
+// and the online softmax updates once per tile instead of once per key, so a tile is not a
+// chain of 32 dependent warp reductions. bf16 caches: the first tile's rows that earlier steps
+// wrote (positions before the step's first possible token of this sequence) are loaded before
+// the programmatic wait.
+#define MLA_PRE 5  // 16-byte chunks per thread of the first tile loaded early (16 * 576 * 2 / 16 / 256)
+// One step of a transposing butterfly over 2 * C values per lane: lanes with bit C set keep
+// the upper C values, the others the lower C, each adding its partner's copy of what it
+// keeps. After the steps C = 16, 8, 4, 2, 1 lane l holds the warp's sum of value l.
+template <int C>
+__device__ __forceinline__ void mla_fold(float* v, int lane) {
+    const bool up = (lane & C) != 0;
+#pragma unroll
+    for (int z = 0; z < C; z++) {
+        const float send = up ? v[z] : v[z + C];
+        const float keep = up ? v[z + C] : v[z];
+        v[z] = keep + __shfl_xor_sync(0xffffffffu, send, C);
+    }
+}
+
+template <typename T>
+__device__ void mla_decode2_impl(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,
+                                 const int* positions, const int* tables, int table_width, int block_size, int heads,
+                                 int r, int dr, float scale_log2, int splits) {
+    static_assert(MLA_HPW == 2 && MLA_TK == 16, "a warp scores 2 heads x 16 keys: 32 values, one per lane");
+    __shared__ float kt[MLA_TK][MLA_MAXW];
+    __shared__ long slot_of[MLA_TK];
+    const int t = blockIdx.x;
+    const int hb = blockIdx.y * MLA_HEADS;
+    const int s = blockIdx.z;
+    const int W = r + dr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pos = positions[t];
+    const int len = pos + 1;
+    const int chunk = (len + splits - 1) / splits;
+    const int k0 = s * chunk;
+    const int k1 = min(len, k0 + chunk);
+    const int* table = tables + (long)tok_seq[t] * table_width;
+    // rows [k0, safe) of this tile were written by earlier steps: this step has at most
+    // gridDim.x tokens, so this sequence's rows of this step start at pos - gridDim.x + 1 or later
+    const int safe = pos - (int)gridDim.x + 1;
+    constexpr bool VEC = sizeof(T) == 2;
+    const bool vec = VEC && W % 8 == 0;
+    const int per = W / 8;
+    uint4 pre[MLA_PRE];
+    int nk0 = min(MLA_TK, k1 - k0);
+    if (vec) {
+#pragma unroll
+        for (int q = 0; q < MLA_PRE; q++) {
+            const int e = threadIdx.x + q * blockDim.x;
+            const int kk = e / per;
+            const int j = k0 + kk;
+            pre[q] = make_uint4(0, 0, 0, 0);
+            if (kk < nk0 && j < safe) {
+                const long sl = ((long)table[j / block_size] * block_size + j % block_size) * W;
+                pre[q] = *reinterpret_cast<const uint4*>(cache + sl + (e % per) * 8);
+            }
+        }
+    }
+    if ((int)threadIdx.x < nk0) {
+        const int j = k0 + threadIdx.x;
+        slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+    }
+    pdl_wait();
+
+    float qv[MLA_HPW][MLA_NPL], acc[MLA_HPW][MLA_NPL];
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; hh++) {
+        const int h = hb + warp * MLA_HPW + hh;
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            const int c = lane + 32 * i;
+            qv[hh][i] = (h < heads && c < W) ? qf[((long)t * heads + h) * W + c] * scale_log2 : 0.0f;
+            acc[hh][i] = 0.0f;
+        }
+    }
+    // lane l keeps the running max and sum of head l / 16 of its pair
+    float m = NEG_INF, l = 0.0f;
+    for (int j0 = k0; j0 < k1; j0 += MLA_TK) {
+        const int nk = min(MLA_TK, k1 - j0);
+        if (j0 != k0) {
+            __syncthreads();
+            if ((int)threadIdx.x < nk) {
+                const int j = j0 + threadIdx.x;
+                slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+            }
+        }
+        __syncthreads();
+        if (vec) {
+            if (j0 == k0) {
+#pragma unroll
+                for (int q = 0; q < MLA_PRE; q++) {
+                    const int e = threadIdx.x + q * blockDim.x;
+                    const int kk = e / per, c = (e % per) * 8;
+                    if (kk < nk) {
+                        float v[8];
+                        if (j0 + kk < safe) {
+                            bf16x8_to_f32(pre[q], v);
+                        } else {
+                            act_load8(cache + slot_of[kk] + c, v);
+                        }
+#pragma unroll
+                        for (int z = 0; z < 8; z++) kt[kk][c + z] = v[z];
+                    }
+                }
+                for (int e = threadIdx.x + MLA_PRE * blockDim.x; e < nk * per; e += blockDim.x) {
+                    const int kk = e / per, c = (e % per) * 8;
+                    float v[8];
+                    act_load8(cache + slot_of[kk] + c, v);
+#pragma unroll
+                    for (int z = 0; z < 8; z++) kt[kk][c + z] = v[z];
+                }
+            } else {
+                for (int e = threadIdx.x; e < nk * per; e += blockDim.x) {
+                    const int kk = e / per, c = (e % per) * 8;
+                    float v[8];
+                    act_load8(cache + slot_of[kk] + c, v);
+#pragma unroll
+                    for (int z = 0; z < 8; z++) kt[kk][c + z] = v[z];
+                }
+            }
+        } else if (W % 8 == 0) {
+            for (int e = threadIdx.x; e < nk * per; e += blockDim.x) {
+                const int kk = e / per, c = (e % per) * 8;
+                float v[8];
+                act_load8(cache + slot_of[kk] + c, v);
+#pragma unroll
+                for (int z = 0; z < 8; z++) kt[kk][c + z] = v[z];
+            }
+        } else {
+            for (int e = threadIdx.x; e < nk * W; e += blockDim.x) {
+                const int kk = e / W, c = e % W;
+                kt[kk][c] = act_load(cache, slot_of[kk] + c);
+            }
+        }
+        __syncthreads();
+        // partial scores of both heads with every key of the tile
+        float sc[MLA_HPW * MLA_TK];
+#pragma unroll
+        for (int z = 0; z < MLA_HPW * MLA_TK; z++) sc[z] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            const int c = lane + 32 * i;
+            if (c < W) {
+#pragma unroll
+                for (int kk = 0; kk < MLA_TK; kk++) {
+                    const float kv = kt[kk][c];
+#pragma unroll
+                    for (int hh = 0; hh < MLA_HPW; hh++) sc[hh * MLA_TK + kk] = fmaf(qv[hh][i], kv, sc[hh * MLA_TK + kk]);
+                }
+            }
+        }
+        mla_fold<16>(sc, lane);
+        mla_fold<8>(sc, lane);
+        mla_fold<4>(sc, lane);
+        mla_fold<2>(sc, lane);
+        mla_fold<1>(sc, lane);
+        // lane l: head l / 16 of the pair, key l % 16
+        const int kk = lane & 15;
+        const float score = kk < nk ? sc[0] : NEG_INF;
+        float mx = score;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float mn = fmaxf(m, mx);
+        const float corr = exp2f(m - mn);
+        const float p = exp2f(score - mn);
+        float ps = p;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        l = l * corr + ps;
+        m = mn;
+        const float corr0 = __shfl_sync(0xffffffffu, corr, 0), corr1 = __shfl_sync(0xffffffffu, corr, 16);
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            acc[0][i] *= corr0;
+            acc[1][i] *= corr1;
+        }
+#pragma unroll
+        for (int k2 = 0; k2 < MLA_TK; k2++) {
+            const float p0 = __shfl_sync(0xffffffffu, p, k2), p1 = __shfl_sync(0xffffffffu, p, 16 + k2);
+            if (k2 < nk) {
+#pragma unroll
+                for (int i = 0; i < MLA_NPL; i++) {
+                    const int c = lane + 32 * i;
+                    if (c < r) {
+                        const float kv = kt[k2][c];
+                        acc[0][i] = fmaf(p0, kv, acc[0][i]);
+                        acc[1][i] = fmaf(p1, kv, acc[1][i]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int hh = 0; hh < MLA_HPW; hh++) {
+        const int h = hb + warp * MLA_HPW + hh;
+        if (h >= heads) continue;
+        const long row = ((long)t * heads + h) * splits + s;
+#pragma unroll
+        for (int i = 0; i < MLA_NPL; i++) {
+            const int c = lane + 32 * i;
+            if (c < r) part_o[row * r + c] = acc[hh][i];
+        }
+        if (lane == 16 * hh) {
+            part_ml[row * 2] = m;
+            part_ml[row * 2 + 1] = l;
+        }
+    }
+}
+
 // Block (head, token, 32-row chunk): merges the splits of o_lat into shared memory, then each
 // warp takes 4 output rows j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
-template <typename T, typename WT>
+template <typename T, typename WT, bool V2>
 __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml, const WT* w, int heads, int nope,
                               int v, int r, int splits) {
     __shared__ float ol[MLA_MAXW];
@@ -276,6 +554,20 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
         }
     }
     pdl_wait();
+    // V2 (up to MLA_V2S splits, 3 columns a thread): the split outputs are loaded together
+    // with the (max, sum) pairs instead of after their merge weights are known
+    constexpr int MLA_V2S = 16;
+    const bool early = V2 && splits <= MLA_V2S && r <= 3 * (int)blockDim.x;
+    float po[3][MLA_V2S];
+    if (early) {
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+#pragma unroll
+            for (int s = 0; s < MLA_V2S; s++)
+                po[i][s] = (c < r && s < splits) ? part_o[(row * splits + s) * r + c] : 0.0f;
+        }
+    }
     if ((int)threadIdx.x < splits) {
         ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
         ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
@@ -294,11 +586,26 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
         inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        float o = 0.0f;
+    if (early) {
+        // the same sums in the same order as below
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < r) {
+                float o = 0.0f;
+#pragma unroll
+                for (int s = 0; s < MLA_V2S; s++)
+                    if (s < splits) o = fmaf(po[i][s], fs[s], o);
+                ol[c] = o * inv_l;
+            }
+        }
+    } else {
+        for (int c = threadIdx.x; c < r; c += blockDim.x) {
+            float o = 0.0f;
 #pragma unroll 16
-        for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
-        ol[c] = o * inv_l;
+            for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
+            ol[c] = o * inv_l;
+        }
     }
     __syncthreads();
 #pragma unroll
@@ -340,7 +647,7 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
         const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
         float rs, int interleaved) {                                                                                 \
         pdl_launch_dependents();                                                                                     \
-        mla_q_absorb_impl<T, float>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
+        mla_q_absorb_impl<T, float, false>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
                                  eps, rs, interleaved);                                                              \
     }                                                                                                                \
     extern "C" __global__ void mla_q_absorb_wbf16_##S(                                                               \
@@ -348,8 +655,24 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
         const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
         float rs, int interleaved) {                                                                                 \
         pdl_launch_dependents();                                                                                     \
-        mla_q_absorb_impl<T, bf16_t>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
+        mla_q_absorb_impl<T, bf16_t, false>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots, positions, \
                                  eps, rs, interleaved);                                                              \
+    }                                                                                                                \
+    extern "C" __global__ void mla_q_absorb2_wf32_##S(                                                               \
+        float* qf, const T* q, const float* w, int n, int heads, int nope, int dr, int v, int r, T* cache,           \
+        const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
+        float rs, int interleaved) {                                                                                 \
+        pdl_launch_dependents();                                                                                     \
+        mla_q_absorb_impl<T, float, true>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots,     \
+                                          positions, eps, rs, interleaved);                                          \
+    }                                                                                                                \
+    extern "C" __global__ void mla_q_absorb2_wbf16_##S(                                                              \
+        float* qf, const T* q, const bf16_t* w, int n, int heads, int nope, int dr, int v, int r, T* cache,          \
+        const T* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,  \
+        float rs, int interleaved) {                                                                                 \
+        pdl_launch_dependents();                                                                                     \
+        mla_q_absorb_impl<T, bf16_t, true>(qf, q, w, n, heads, nope, dr, v, r, cache, kva, gain, inv_freq, slots,    \
+                                           positions, eps, rs, interleaved);                                         \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32)                                                     \
         mla_decode_##S(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,           \
@@ -359,15 +682,33 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
         mla_decode_impl<T>(part_o, part_ml, qf, cache, tok_seq, positions, tables, table_width, block_size, heads,   \
                            r, dr, scale_log2, splits);                                                               \
     }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MLA_WARPS * 32)                                                     \
+        mla_decode2_##S(float* part_o, float* part_ml, const float* qf, const T* cache, const int* tok_seq,          \
+                        const int* positions, const int* tables, int table_width, int block_size, int heads, int r,  \
+                        int dr, float scale_log2, int splits) {                                                      \
+        pdl_launch_dependents();                                                                                     \
+        mla_decode2_impl<T>(part_o, part_ml, qf, cache, tok_seq, positions, tables, table_width, block_size, heads,  \
+                            r, dr, scale_log2, splits);                                                              \
+    }                                                                                                                \
     extern "C" __global__ void mla_v_up_wf32_##S(T* out, const float* part_o, const float* part_ml, const float* w,  \
                                                  int heads, int nope, int v, int r, int splits) {                    \
         pdl_launch_dependents();                                                                                     \
-        mla_v_up_impl<T, float>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                 \
+        mla_v_up_impl<T, float, false>(out, part_o, part_ml, w, heads, nope, v, r, splits);                          \
     }                                                                                                                \
     extern "C" __global__ void mla_v_up_wbf16_##S(T* out, const float* part_o, const float* part_ml,                 \
                                                   const bf16_t* w, int heads, int nope, int v, int r, int splits) {  \
         pdl_launch_dependents();                                                                                     \
-        mla_v_up_impl<T, bf16_t>(out, part_o, part_ml, w, heads, nope, v, r, splits);                                \
+        mla_v_up_impl<T, bf16_t, false>(out, part_o, part_ml, w, heads, nope, v, r, splits);                         \
+    }                                                                                                                \
+    extern "C" __global__ void mla_v_up2_wf32_##S(T* out, const float* part_o, const float* part_ml, const float* w, \
+                                                  int heads, int nope, int v, int r, int splits) {                   \
+        pdl_launch_dependents();                                                                                     \
+        mla_v_up_impl<T, float, true>(out, part_o, part_ml, w, heads, nope, v, r, splits);                           \
+    }                                                                                                                \
+    extern "C" __global__ void mla_v_up2_wbf16_##S(T* out, const float* part_o, const float* part_ml,                \
+                                                   const bf16_t* w, int heads, int nope, int v, int r, int splits) { \
+        pdl_launch_dependents();                                                                                     \
+        mla_v_up_impl<T, bf16_t, true>(out, part_o, part_ml, w, heads, nope, v, r, splits);                          \
     }
 
 MLA_WRAPPERS(float, f32)

@@ -441,8 +441,9 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
                                    float* slot_wt, unsigned long long* totals, unsigned* last, T* h, const T* x,
                                    const float* gain, float eps, const u8* gate, int gate_wt, long gate_row_bytes,
                                    const float* bias, const u64* ptrs, int d, int E, int K, int n, int score,
-                                   int n_group, int topk_group, int norm, float scaling, int n_slots) {
+                                   int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {
     __shared__ float red[MOED_THREADS / 32][MOED_EPB * MOED_MAXN];
+    __shared__ float bias_s[MOED_MAXE];
     __shared__ float rstd[MOED_MAXN];
     __shared__ int is_last;
     __shared__ float sc[MOED_MAXN][MOED_MAXE];
@@ -473,14 +474,25 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     }
     for (int c = tid + blockDim.x; c < nch; c += blockDim.x)
         for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
-    pdl_wait();
-    // What the last block needs of expert tid, loaded early by every block (any may be last).
+    // early: the correction bias (no kernel writes it) and the experts' weight addresses are
+    // loaded before the wait, and the last block scores from a shared copy of the bias
     u64 my_ptr[3] = {0, 0, 0};
-    unsigned long long my_total = 0;
-    if (tid < E) {
+    float my_bias = 0.0f;
+    if (early && tid < E) {
         my_ptr[0] = ptrs[tid];
         my_ptr[1] = ptrs[E + tid];
         my_ptr[2] = ptrs[2 * E + tid];
+        if (bias != nullptr) my_bias = bias[tid];
+    }
+    pdl_wait();
+    // What the last block needs of expert tid, loaded early by every block (any may be last).
+    unsigned long long my_total = 0;
+    if (tid < E) {
+        if (!early) {
+            my_ptr[0] = ptrs[tid];
+            my_ptr[1] = ptrs[E + tid];
+            my_ptr[2] = ptrs[2 * E + tid];
+        }
         my_total = totals[tid];
     }
     if (gain != nullptr) {
@@ -581,11 +593,17 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     __syncthreads();
     if (!is_last) return;
     __threadfence();
+    const float* bias_p = bias;
+    if (early && bias != nullptr) {
+        if (tid < E) bias_s[tid] = my_bias;
+        __syncthreads();
+        bias_p = bias_s;
+    }
     if (warp < n) {
         for (int e = lane; e < E; e += 32) sc[warp][e] = ld_cg(logits + (long)warp * E + e);
         __syncwarp();
-        moe_pick(sc[warp], ch[warp], taken[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias, E, K, score,
-                 n_group, topk_group, norm, scaling);
+        moe_pick(sc[warp], ch[warp], taken[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias_p, E, K,
+                 score, n_group, topk_group, norm, scaling);
     }
     __syncthreads();
     // Tokens per expert, each selected expert's slot (its rank among the selected ones).
@@ -727,7 +745,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const 
 template <typename T, typename WT, int N>
 __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,
                                   const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,
-                                  int n_shared, int n, int d, int inter) {
+                                  int n_shared, int n, int d, int inter, int early) {
     constexpr int R = MOED_R;
     constexpr int CE = MoeChunk<WT>::CE;
     __shared__ const WT* sp[MOED_MAXS + MOED_MAXSH];
@@ -752,6 +770,17 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
 #pragma unroll
         for (int i = 0; i < R; i++)
             if (i < nr) cur[i] = moe_ld16(sh_down + (long)(r0 + i) * sh_ld + (long)tid * CE);
+    }
+    // early: every later step's rows are asked into L2 as soon as their addresses are known
+    // (the shared slots' now, the routed ones' once the slot table is read), so the steps'
+    // loads below find them there instead of each waiting for memory in turn
+    if (early) {
+        for (int k = 1; k < n_shared * iters; k++) {
+            const int c = tid + (k % iters) * blockDim.x;
+            if (c < nch)
+                for (int i = 0; i < nr; i++)
+                    moe_prefetch_l2(sh_down + (long)(r0 + i) * sh_ld + (long)(k / iters) * inter + (long)c * CE);
+        }
     }
     pdl_wait();
     // Slot table: shared slots first, then the routed slots with tokens (slots [0, n_active)).
@@ -784,6 +813,14 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
     const int n_active = __syncthreads_count(c > 0);
     const int S = n_shared + n_active;
     const int steps = S * iters;
+    if (early) {
+        for (int k = max(1, n_shared * iters); k < steps; k++) {
+            const int q = k / iters;
+            const int c = tid + (k % iters) * blockDim.x;
+            if (c < nch)
+                for (int i = 0; i < nr; i++) moe_prefetch_l2(sp[q] + (long)i * sld[q] + (long)c * CE);
+        }
+    }
     if (n_shared == 0 && steps > 0 && tid < nch) {
 #pragma unroll
         for (int i = 0; i < R; i++)
@@ -866,9 +903,9 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
     extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
         moe_down_dec_##WS##_n##N##_##S(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,        \
                                        const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,  \
-                                       int n_shared, int n, int d, int inter) {                                     \
+                                       int n_shared, int n, int d, int inter, int early) {                          \
         moe_down_dec_impl<T, WT, N>(out, res, h, slot_ptr, slot_cnt, slot_tok, slot_wt, sh_down, n_routed, n_shared, \
-                                    n, d, inter);                                                                    \
+                                    n, d, inter, early);                                                             \
     }
 
 #define MOE_DEC_ALL(T, S)                                                                                            \
@@ -876,10 +913,10 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
         float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
         unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
         int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
-        int n_group, int topk_group, int norm, float scaling, int n_slots) {                                        \
+        int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {                             \
         moe_route_dec_impl<T>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt, totals, last, h, x, gain, eps, \
                               gate, gate_wt, gate_row_bytes, bias, ptrs, d, E, K, n, score, n_group, topk_group,    \
-                              norm, scaling, n_slots);                                                               \
+                              norm, scaling, n_slots, early);                                                        \
     }                                                                                                                \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 1)                                                                           \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 8)                                                                           \

@@ -18,7 +18,7 @@ mod gpu {
     use std::path::Path;
 
     use deepinfer::backend::cpu::CpuBackend;
-    use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions};
+    use deepinfer::backend::cuda::{unavailable_reason, Act, CudaBackend, CudaOptions, Ds2};
     use deepinfer::backend::Backend;
     use deepinfer::model::arch::deepseek_v3::DeepseekV3;
     use deepinfer::model::batch::Batch;
@@ -38,6 +38,11 @@ mod gpu {
 
     /// A backend with the MoE decode kernels on or off.
     fn cuda_with(act: Option<Act>, fuse_moe: bool) -> Option<CudaBackend> {
+        cuda_opts(act, fuse_moe, true)
+    }
+
+    /// A backend with the MoE decode kernels and the `ds2` kernel variants on or off.
+    fn cuda_opts(act: Option<Act>, fuse_moe: bool, ds2: bool) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
             eprintln!("skipped: {why}");
             return None;
@@ -45,6 +50,7 @@ mod gpu {
         let opts = CudaOptions {
             act,
             fuse_moe,
+            ds2: if ds2 { Ds2::ALL } else { Ds2::NONE },
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
@@ -267,22 +273,29 @@ mod gpu {
     fn mla_absorbed_kernel_matches_the_cpu_on_random_inputs() {
         for act in [Act::F32, Act::Bf16] {
             let Some(be) = cuda(Some(act)) else { return };
+            let old = cuda_opts(Some(act), true, false).expect("a second backend");
             let mut rng = Rng::fresh("mla");
-            // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths
+            // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths;
+            // the ds2 kernels (the default) and the earlier ones
             for (heads, latent) in [(5, 40), (21, 72)] {
                 let c = mla_case(&mut rng, heads, latent);
-                let g = run_mla(&be, &c, MlaPath::Absorbed);
                 let cpu = CpuBackend::new(2);
                 let a = run_mla(&cpu, &c, MlaPath::Absorbed);
                 let e = run_mla(&cpu, &c, MlaPath::Expanded);
                 let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
-                for (i, what) in ["prefill", "decode"].iter().enumerate() {
-                    let width = heads * c.p.dims.v;
-                    let (eg, ee) = (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
-                    eprintln!(
-                        "{act:?} {heads} heads, latent {latent}, {what}: CUDA vs CPU absorbed {eg:.2e}, vs CPU expanded {ee:.2e}"
-                    );
-                    assert!(eg < tol && ee < tol, "{act:?} {what}: {eg:e} {ee:e}");
+                for (b, which) in [(&be, "ds2"), (&old, "earlier kernels")] {
+                    let g = run_mla(b, &c, MlaPath::Absorbed);
+                    for (i, what) in ["prefill", "decode"].iter().enumerate() {
+                        let width = heads * c.p.dims.v;
+                        let (eg, ee) = (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
+                        eprintln!(
+                            "{act:?} {which}, {heads} heads, latent {latent}, {what}: CUDA vs CPU absorbed {eg:.2e}, vs CPU expanded {ee:.2e}"
+                        );
+                        assert!(
+                            eg < tol && ee < tol,
+                            "{act:?} {which} {what}: {eg:e} {ee:e}"
+                        );
+                    }
                 }
             }
             // the expanded form is CPU-only: asking CUDA for it is an error, not a wrong answer
@@ -486,6 +499,7 @@ mod gpu {
         };
         let bf = cuda(Some(Act::Bf16)).expect("a second backend");
         let bf_plain = cuda_with(Some(Act::Bf16), false).expect("a third backend");
+        let bf_old = cuda_opts(Some(Act::Bf16), true, false).expect("a fourth backend");
         let mut rng = Rng::fresh("moe_decode");
         // odd widths: 33 chunks of 8 per row, 5 per expert row, 3 shared slots
         let (d, inter, e) = (264, 40, 20);
@@ -530,7 +544,7 @@ mod gpu {
         );
         let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
         let mut gpu = Vec::new();
-        for b in [&be, &bf, &bf_plain] {
+        for b in [&be, &bf, &bf_plain, &bf_old] {
             let l = moe_layer_of(
                 b,
                 &cfg,
@@ -570,6 +584,16 @@ mod gpu {
             assert_eq!(
                 bf.expert_load(&gpu[1].0).unwrap().last_step,
                 bf_plain.expert_load(&gpu[2].0).unwrap().last_step
+            );
+            // the ds2 routing and down kernels only load earlier: the same bits
+            let (old, old_f) = moe_block(&bf_old, &gpu[3].0, &gpu[3].1, &raw, &res, n, d);
+            assert!(
+                old == got && old_f == got_f,
+                "{n} tokens: ds2 vs earlier kernels differ"
+            );
+            assert_eq!(
+                bf.expert_load(&gpu[1].0).unwrap().total,
+                bf_old.expert_load(&gpu[3].0).unwrap().total
             );
         }
     }

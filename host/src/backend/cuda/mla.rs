@@ -188,13 +188,19 @@ pub(crate) fn attention(
     }
     let f = |v: f32| v.to_bits() as u64;
     let qf = inner.scratch(n * heads * width, 4)?;
+    // ds2: one more block column, which writes the cache rows
+    let (absorb, extra) = if inner.opts.ds2.absorb {
+        (k.mla_q_absorb2[wi], 2)
+    } else {
+        (k.mla_q_absorb[wi], 1)
+    };
     launch(
         inner,
-        k.mla_q_absorb[wi],
+        absorb,
         [
             heads as u32,
             n.div_ceil(8) as u32,
-            (r.div_ceil(64) + 1) as u32,
+            (r.div_ceil(64) + extra) as u32,
         ],
         256,
         vec![
@@ -224,7 +230,11 @@ pub(crate) fn attention(
     let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
     launch(
         inner,
-        k.mla_decode,
+        if inner.opts.ds2.decode {
+            k.mla_decode2
+        } else {
+            k.mla_decode
+        },
         [n as u32, groups as u32, splits as u32],
         256,
         vec![
@@ -246,7 +256,11 @@ pub(crate) fn attention(
     );
     launch(
         inner,
-        k.mla_v_up[wi],
+        if inner.opts.ds2.v_up {
+            k.mla_v_up2[wi]
+        } else {
+            k.mla_v_up[wi]
+        },
         [heads as u32, n as u32, d.v.div_ceil(V_ROWS) as u32],
         256,
         vec![
@@ -266,7 +280,18 @@ pub(crate) fn attention(
 
 #[cfg(test)]
 mod tests {
+    use super::super::Ds2;
     use super::splits_for;
+
+    #[test]
+    fn ds2_switches_parse() {
+        assert_eq!(Ds2::parse("1").unwrap(), Ds2::ALL);
+        assert_eq!(Ds2::parse("all").unwrap(), Ds2::ALL);
+        assert_eq!(Ds2::parse("0").unwrap(), Ds2::NONE);
+        let d = Ds2::parse("decode, vup,route").unwrap();
+        assert!(d.decode && d.v_up && d.route && !d.absorb && !d.down_prefetch);
+        assert!(Ds2::parse("decode,fast").is_err());
+    }
 
     #[test]
     fn splits_follow_the_context_bucket() {

@@ -121,6 +121,70 @@ pub struct CudaOptions {
     /// plan; expert gate/up with the shared experts; down with the combine and the residual
     /// add), see `moe::forward_decode`.
     pub fuse_moe: bool,
+    /// Which of the later DeepSeek decode kernel variants run (`DEEPINFER_CUDA_DS2`).
+    pub ds2: Ds2,
+}
+
+/// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
+/// binary measures them against the earlier kernels (`kernels/mla.cu`, `kernels/moe.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ds2 {
+    /// `mla_decode2`: a tile's 16 keys scored together, the first tile's rows of earlier
+    /// steps loaded before the programmatic wait.
+    pub decode: bool,
+    /// `mla_q_absorb2`: the rope's sines and cosines before the wait, the cache rows in a
+    /// block of their own.
+    pub absorb: bool,
+    /// `mla_v_up2`: the split outputs loaded together with their (max, sum) pairs.
+    pub v_up: bool,
+    /// `moe_route_dec` with the bias and the experts' addresses loaded before the wait.
+    pub route: bool,
+    /// `moe_down_dec` asking every later step's rows into L2 once their addresses are known.
+    pub down_prefetch: bool,
+}
+
+impl Ds2 {
+    pub const ALL: Ds2 = Ds2 {
+        decode: true,
+        absorb: true,
+        v_up: true,
+        route: true,
+        down_prefetch: true,
+    };
+    pub const NONE: Ds2 = Ds2 {
+        decode: false,
+        absorb: false,
+        v_up: false,
+        route: false,
+        down_prefetch: false,
+    };
+
+    /// `1` / `all` (and unset): all; `0` / `none`: none; else a comma-separated list of
+    /// `decode`, `absorb`, `vup`, `route`, `prefetch`: those only.
+    pub fn parse(v: &str) -> Result<Ds2> {
+        match v {
+            "" | "1" | "all" => return Ok(Ds2::ALL),
+            "0" | "none" => return Ok(Ds2::NONE),
+            _ => {}
+        }
+        let mut d = Ds2::NONE;
+        for part in v.split(',') {
+            match part.trim() {
+                "decode" => d.decode = true,
+                "absorb" => d.absorb = true,
+                "vup" => d.v_up = true,
+                "route" => d.route = true,
+                "prefetch" => d.down_prefetch = true,
+                other => {
+                    return Err(Error::BadConfig(format!(
+                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch \
+                         (or use 1 / all, 0 / none)"
+                    )))
+                }
+            }
+        }
+        Ok(d)
+    }
 }
 
 impl Default for CudaOptions {
@@ -142,6 +206,7 @@ impl Default for CudaOptions {
             gemt: false,
             gemt_splits: 4,
             fuse_moe: true,
+            ds2: Ds2::ALL,
         }
     }
 }
@@ -151,7 +216,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
-    /// `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off),
+    /// `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
@@ -193,6 +258,9 @@ impl CudaOptions {
             };
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
+        if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
+            o.ds2 = Ds2::parse(&v)?;
+        }
         o.fuse2 = std::env::var("DEEPINFER_CUDA_FUSE2").is_ok_and(|v| v == "1");
         match std::env::var("DEEPINFER_CUDA_PREFILL").ok().as_deref() {
             None | Some("") => {}

@@ -216,8 +216,15 @@ pub struct ActKernels {
 #[derive(Debug, Clone)]
 pub struct DeepseekKernels {
     pub mla_q_absorb: [KernelId; 2],
+    /// `mla_q_absorb` with the rotation's sines and cosines computed before the programmatic
+    /// wait and the cache rows in a block of their own (`CudaOptions::ds2`, `Ds2`).
+    pub mla_q_absorb2: [KernelId; 2],
     pub mla_decode: KernelId,
+    /// `mla_decode` scoring a tile's keys together (`CudaOptions::ds2`, `Ds2`).
+    pub mla_decode2: KernelId,
     pub mla_v_up: [KernelId; 2],
+    /// `mla_v_up` loading the split outputs with their (max, sum) pairs (`CudaOptions::ds2`, `Ds2`).
+    pub mla_v_up2: [KernelId; 2],
     pub moe_route: KernelId,
     /// By weight type and assignments per pass (1, 8).
     pub moe_gateup: [[KernelId; 2]; 2],
@@ -382,8 +389,11 @@ impl Module {
             let mut n = |b: &str| get(format!("{b}_{s}"));
             Ok(DeepseekKernels {
                 mla_q_absorb: [n("mla_q_absorb_wf32")?, n("mla_q_absorb_wbf16")?],
+                mla_q_absorb2: [n("mla_q_absorb2_wf32")?, n("mla_q_absorb2_wbf16")?],
                 mla_decode: n("mla_decode")?,
+                mla_decode2: n("mla_decode2")?,
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
+                mla_v_up2: [n("mla_v_up2_wf32")?, n("mla_v_up2_wbf16")?],
                 moe_route: n("moe_route")?,
                 moe_gateup: [
                     [n("moe_gateup_wf32_t1")?, n("moe_gateup_wf32_t8")?],
@@ -506,6 +516,7 @@ mod tests {
             "topk_f32",
             "rms_norm_f32",
             "mla_decode_bf16",
+            "mla_decode2_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
             "gemt_t24",

@@ -441,6 +441,7 @@ fn forward_decode(
             cfg.norm_topk_prob as u64,
             cfg.scaling.to_bits() as u64,
             slots as u64,
+            inner.opts.ds2.route as u64,
         ],
     );
     let ti = usize::from(n > 1);
@@ -495,6 +496,7 @@ fn forward_decode(
             n as u64,
             d as u64,
             inter as u64,
+            inner.opts.ds2.down_prefetch as u64,
         ],
     );
     layer.count_device_step();
@@ -515,10 +517,10 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
         return false;
     };
-    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter.
+    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early.
     let down = kern.moe_down_dec.iter().flatten().any(|k| *k == *kernel);
     if down
-        && args.len() == 13
+        && args.len() == 14
         && args[0] == y
         && args[1] == 0
         && (args[10] * args[11]) as usize == len
