@@ -17,13 +17,38 @@ __device__ void argmax_impl(u32* out, const T* x, long width) {
     const T* row = x + (long)blockIdx.x * width;
     float best = NEG_INF;
     long bi = width;  // "none yet": larger than any index
-    for (long i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = act_load(row, i);
+    // Each thread sees its values in increasing index order (the head before the 16-byte
+    // aligned body, the body's groups of 8 in order, then the tail), keeping the first of
+    // equal maxima; the reduction below then keeps the lowest index of equal values.
+    auto see = [&](float v, long i) {
         if (v > best || (bi == width && v == best)) {
             best = v;
             bi = i;
         }
+    };
+    const long head = min(width, (long)(((16 - ((unsigned long long)row & 15)) & 15) / sizeof(T)));
+    const long groups = (width - head) / 8;
+    const T* body = row + head;
+    if (threadIdx.x < head) see(act_load(row, threadIdx.x), threadIdx.x);
+    // Body: 8 values a load group, 4 groups a thread loaded before any is compared, so one
+    // block keeps enough bytes in flight to stream a vocabulary row at the SM's rate.
+    long c = threadIdx.x;
+    for (; c + 3 * (long)blockDim.x < groups; c += 4 * (long)blockDim.x) {
+        float f[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; u++) act_load8(body + (c + u * (long)blockDim.x) * 8, f[u]);
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+#pragma unroll
+            for (int e = 0; e < 8; e++) see(f[u][e], head + (c + u * (long)blockDim.x) * 8 + e);
     }
+    for (; c < groups; c += blockDim.x) {
+        float f[8];
+        act_load8(body + c * 8, f);
+#pragma unroll
+        for (int e = 0; e < 8; e++) see(f[e], head + c * 8 + e);
+    }
+    for (long i = head + groups * 8 + threadIdx.x; i < width; i += blockDim.x) see(act_load(row, i), i);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, best, o);
