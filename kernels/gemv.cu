@@ -363,13 +363,11 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         gemvb_impl<T, WT, N, R, U, MODE>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, n, k, row_bytes, g, eps, h, res); \
     }
 
-// Shapes: (R, U) = (8, 1) for one token and k <= 2048, (4, 2) for k <= 4096, (2, 4) for
-// k <= 8192, (1, 8) beyond; N = 1, 2, 4, 8.
+// Shapes: (R, U) = (4, 2) for k <= 4096, (2, 4) for k <= 8192, (1, 8) beyond; N = 1, 2, 4, 8.
 #define GEMVB_SHAPES(T, S, WT, WS, N, MODE, MS)    \
     GEMVB_WRAPPER(T, S, WT, WS, N, 4, 2, MODE, MS) \
     GEMVB_WRAPPER(T, S, WT, WS, N, 2, 4, MODE, MS) \
-    GEMVB_WRAPPER(T, S, WT, WS, N, 1, 8, MODE, MS) \
-    GEMVB_WRAPPER(T, S, WT, WS, N, 8, 1, MODE, MS)
+    GEMVB_WRAPPER(T, S, WT, WS, N, 1, 8, MODE, MS)
 #define GEMVB_TOKENS(T, S, WT, WS, MODE, MS)  \
     GEMVB_SHAPES(T, S, WT, WS, 1, MODE, MS)   \
     GEMVB_SHAPES(T, S, WT, WS, 2, MODE, MS)   \
@@ -384,19 +382,15 @@ GEMVB_PLAIN_ALL(float, f32)
 GEMVB_PLAIN_ALL(bf16_t, bf16)
 GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_NORM, n)
 GEMVB_TOKENS(bf16_t, bf16, WT_BF16, bf16w, GEMVB_ACC, a)
-// SwiGLU pairs rows: shapes (4, 2), (2, 4) and (8, 1) only.
-#define GEMVB_SWIGLU_TOKENS(MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 4, 2, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 2, 4, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 8, 1, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 4, 2, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 2, 4, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 8, 1, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 4, 2, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 2, 4, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 8, 1, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 4, 2, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 2, 4, MODE, MS) \
-    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 8, 1, MODE, MS)
+// SwiGLU pairs rows: shapes (4, 2) and (2, 4) only.
+#define GEMVB_SWIGLU_TOKENS(MODE, MS)                                  \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 1, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 2, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 4, 2, 4, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 4, 2, MODE, MS)    \
+    GEMVB_WRAPPER(bf16_t, bf16, WT_BF16, bf16w, 8, 2, 4, MODE, MS)
 GEMVB_SWIGLU_TOKENS(GEMVB_SWIGLU, s)
 GEMVB_SWIGLU_TOKENS(GEMVB_NORM | GEMVB_SWIGLU, ns)

@@ -96,7 +96,7 @@ fn matmul_matches_the_dequantized_product_for_every_type_and_token_count() {
             let shapes: &[(usize, usize)] = match dtype {
                 DType::Q4_K => &[(37, 256), (300, 512)],
                 DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => &[(37, 64), (300, 96), (129, 576)],
-                // (77, 2048): the block GEMVs of 16-bit weights, one token on the 8-row shape.
+                // (77, 2048): the block GEMVs of 16-bit weights.
                 _ => &[(37, 64), (300, 96), (45, 13), (130, 100), (77, 2048)],
             };
             for &(rows, cols) in shapes {
@@ -369,7 +369,7 @@ fn skinny_tensor_core_gemms_match_the_cpu_and_fold_swiglu() {
 /// before it: bf16 weights and activations, up to 8 tokens, rows of at least 2048) against
 /// the CPU backend and against CUDA with the fold off (`fuse_silu: false`), which must flush
 /// one launch more and give bit-identical outputs: odd row counts (a block's last gate rows
-/// past the end), every token bound, the (4, 2), (2, 4) and (8, 1) row shapes and k beyond 8192 (whose
+/// past the end), every token bound, the (4, 2) and (2, 4) row shapes and k beyond 8192 (whose
 /// unfolded kernel takes one row a block).
 #[test]
 fn swiglu_folds_into_block_gate_up_gemvs() {

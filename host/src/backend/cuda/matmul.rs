@@ -144,8 +144,8 @@ impl Fold {
 /// The block-cooperative GEMV of `fold` for `n` tokens over rows of `k` weights, when there
 /// is one. Long bf16/f16 rows (k >= 2048) go to these kernels, which kept 4.0 TB/s over a
 /// whole Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
-/// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096 (8 x 1 for one token at
-/// k = 2048), 2 x 4 up to 8192, 1 x 8 beyond; several tokens always take 4 rows x 2 loads. Folded variants: bf16 weights only.
+/// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
+/// beyond; several tokens always take 4 rows x 2 loads. Folded variants: bf16 weights only.
 fn block_kernel(
     inner: &Inner,
     act: Act,
@@ -165,9 +165,6 @@ fn block_kernel(
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;
     let si = match (n, k) {
-        // One token over 2048-wide rows: 8 rows of one load each, so a thread still has 8
-        // loads in flight (the (4, 2) shape leaves half of its loads past the row's end).
-        (1, k) if k <= 2048 && inner.opts.gemvb8 => 3,
         // SwiGLU pairs a gate row with an up row: at least 2 rows a block.
         (1, k) if k > 8192 && !fold.swiglu() => 2,
         (1, k) if k > 4096 => 1,

@@ -88,9 +88,6 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// Block-cooperative GEMVs for long bf16/f16 rows (see `matmul::pick`).
     pub gemvb: bool,
-    /// The 8-row block GEMV shape for one token over rows of at most 2048 weights (DeepSeek's
-    /// hidden size); off: those take the 4-row shape.
-    pub gemvb8: bool,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -199,7 +196,6 @@ impl Default for CudaOptions {
             prefill: PrefillKernel::Wide,
             pdl: true,
             gemvb: true,
-            gemvb8: true,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -217,7 +213,7 @@ impl Default for CudaOptions {
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVB8`,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
     /// `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
@@ -241,7 +237,6 @@ impl CudaOptions {
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
-        o.gemvb8 = !off("DEEPINFER_CUDA_GEMVB8");
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");

@@ -196,17 +196,17 @@ pub struct ActKernels {
     pub gemv: [KernelId; 6],
     /// Block-cooperative GEMVs (`gemvb_*` in `kernels/gemv.cu`): by weight type (bf16, f16),
     /// token bound (1, 2, 4, 8) and shape ([`GEMVB_SHAPES`]).
-    pub gemvb: [[[KernelId; 4]; 4]; 2],
+    pub gemvb: [[[KernelId; 3]; 4]; 2],
     /// Block GEMVs with an RMSNorm folded in (`gemvbn_*`), by tokens and shape: bf16 weights
     /// and activations only.
-    pub gemvb_norm: Option<[[KernelId; 4]; 4]>,
+    pub gemvb_norm: Option<[[KernelId; 3]; 4]>,
     /// Block GEMVs with a residual add folded in (`gemvba_*`), likewise.
-    pub gemvb_acc: Option<[[KernelId; 4]; 4]>,
+    pub gemvb_acc: Option<[[KernelId; 3]; 4]>,
     /// Gate/up block GEMVs with SwiGLU folded in (`gemvbs_*`), and with the RMSNorm before
     /// them too (`gemvbns_*`), likewise; SwiGLU pairs rows, so shape (1, 8) is served by the
     /// (2, 4) kernel.
-    pub gemvb_swiglu: Option<[[KernelId; 4]; 4]>,
-    pub gemvb_norm_swiglu: Option<[[KernelId; 4]; 4]>,
+    pub gemvb_swiglu: Option<[[KernelId; 3]; 4]>,
+    pub gemvb_norm_swiglu: Option<[[KernelId; 3]; 4]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -244,7 +244,7 @@ pub const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 /// Token bounds of the block-cooperative GEMV instantiations.
 pub const GEMVB_TOKENS: [usize; 4] = [1, 2, 4, 8];
 /// (rows per block, 16-byte loads per thread and row) of the block-cooperative GEMVs.
-pub const GEMVB_SHAPES: [(usize, usize); 4] = [(4, 2), (2, 4), (1, 8), (8, 1)];
+pub const GEMVB_SHAPES: [(usize, usize); 3] = [(4, 2), (2, 4), (1, 8)];
 
 /// The loaded module and its kernel ids.
 pub struct Module {
@@ -303,11 +303,11 @@ impl Module {
             // The folded GEMVs exist for bf16 activations only.
             let folded = |n: &mut dyn FnMut(&str) -> Result<KernelId>,
                           base: &str|
-             -> Result<Option<[[KernelId; 4]; 4]>> {
+             -> Result<Option<[[KernelId; 3]; 4]>> {
                 if s != "bf16" {
                     return Ok(None);
                 }
-                let mut g = [[KernelId(0); 4]; 4];
+                let mut g = [[KernelId(0); 3]; 4];
                 for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
                     for (si, &(r, u)) in GEMVB_SHAPES.iter().enumerate() {
                         // The SwiGLU kernels (`gemvbs`, `gemvbns`) pair rows: no (1, 8).
@@ -362,7 +362,7 @@ impl Module {
                     n("gemv_q8_0w")?,
                 ],
                 gemvb: {
-                    let mut g = [[[KernelId(0); 4]; 4]; 2];
+                    let mut g = [[[KernelId(0); 3]; 4]; 2];
                     for (wi, w) in ["bf16w", "f16w"].iter().enumerate() {
                         for (ni, tn) in GEMVB_TOKENS.iter().enumerate() {
                             for (si, (r, u)) in GEMVB_SHAPES.iter().enumerate() {
