@@ -22,13 +22,14 @@ for t in $tests; do
     name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
     pack "$t" "$name"
 done
-# The kernels' PTX, compiled here when an NVRTC library can be found (DEEPINFER_NVRTC_DIR, or
+# The kernels' machine code for the H200 (sm_90; DEEPINFER_PTX_ARCH picks another target, e.g.
+# compute_90 for PTX), compiled here when an NVRTC library can be found (DEEPINFER_NVRTC_DIR, or
 # LD_LIBRARY_PATH), so a fresh device machine skips NVRTC: gpu-run.sh puts it in the cache.
 mkdir -p "$out/ptx"
 rm -f "$out"/ptx/*.xz
 nvrtc_dir="${DEEPINFER_NVRTC_DIR:-}"
 if [ -z "$nvrtc_dir" ] && ! ldconfig -p 2>/dev/null | grep -q libnvrtc; then
-    # NVRTC of the device's CUDA release (13.0: newer NVRTCs write PTX its driver cannot load),
+    # NVRTC of the device's CUDA release (13.0: newer NVRTCs write code its driver cannot load),
     # installed once into dev-out/nvrtc (git-ignored).
     if [ ! -d dev-out/nvrtc ]; then
         python3 -m pip install --quiet --no-deps --target dev-out/nvrtc 'nvidia-cuda-nvrtc==13.0.*' >&2 ||
@@ -39,10 +40,10 @@ if [ -z "$nvrtc_dir" ] && ! ldconfig -p 2>/dev/null | grep -q libnvrtc; then
 fi
 tmp_cache=$(mktemp -d)
 if ptx=$(LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" DEEPINFER_CACHE="$tmp_cache" \
-    target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-compute_90}" 2>"$tmp_cache/err"); then
+    target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-sm_90}" 2>"$tmp_cache/err"); then
     xz -T2 -6 -c "$ptx" >"$out/ptx/$(basename "$ptx").xz"
 else
-    echo "gpu-pack: no PTX made here ($(tail -1 "$tmp_cache/err")); the device compiles the kernels on its first run" >&2
+    echo "gpu-pack: no kernels compiled here ($(tail -1 "$tmp_cache/err")); the device compiles the kernels on its first run" >&2
 fi
 rm -rf "$tmp_cache"
 # Benchmark records name the commit the binary was built from (HEAD at build time); a tree with

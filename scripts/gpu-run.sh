@@ -22,7 +22,7 @@ for f in "$pack"/*.xz; do
     unxz "$f" "$bin"
     chmod +x "$bin/$(basename "$f" .xz)"
 done
-# Kernels compiled ahead by gpu-pack.sh go where the binaries look for cached PTX.
+# Kernels compiled ahead by gpu-pack.sh (cubin or PTX) go where the binaries look for them.
 if compgen -G "$pack/ptx/*.xz" >/dev/null; then
     # The folder `model::fetch::cache_dir` names.
     cache="${DEEPINFER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/deepinfer}"

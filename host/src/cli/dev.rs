@@ -19,7 +19,7 @@ pub struct DevArgs {
 enum DevCommand {
     /// Write a tiny random checkpoint (config.json, model.safetensors, tokenizer.json).
     MakeTiny(MakeTinyArgs),
-    /// Compile the CUDA kernels with NVRTC (no GPU needed) into the PTX cache
+    /// Compile the CUDA kernels with NVRTC (no GPU needed) into the kernel cache
     /// (`$DEEPINFER_CACHE/ptx`, else `~/.cache/deepinfer/ptx`) and print the file's path.
     #[cfg(feature = "cuda")]
     Ptx(PtxArgs),
@@ -28,9 +28,10 @@ enum DevCommand {
 #[cfg(feature = "cuda")]
 #[derive(Debug, Args)]
 struct PtxArgs {
-    /// Virtual architecture, as the GPU run picks it from the device (`compute_90` for
-    /// Hopper).
-    #[arg(long, default_value = "compute_90")]
+    /// Target, as the GPU run picks it from the device: a real architecture (`sm_90` for
+    /// Hopper: machine code, loaded without the driver's JIT) or a virtual one
+    /// (`compute_90`: PTX).
+    #[arg(long, default_value = "sm_90")]
     arch: String,
 }
 
@@ -73,10 +74,16 @@ pub fn run(args: DevArgs) -> anyhow::Result<()> {
 #[cfg(feature = "cuda")]
 fn ptx(a: PtxArgs) -> anyhow::Result<()> {
     use crate::backend::cuda::module;
-    let Some(arch) = module::ARCHS.iter().copied().find(|&x| x == a.arch) else {
+    let Some(target) = module::SMS
+        .iter()
+        .chain(module::ARCHS.iter())
+        .copied()
+        .find(|&x| x == a.arch)
+    else {
         bail!(
-            "--arch {}: expected one of {}",
+            "--arch {}: expected one of {}, {}",
             a.arch,
+            module::SMS.join(", "),
             module::ARCHS.join(", ")
         );
     };
@@ -84,8 +91,8 @@ fn ptx(a: PtxArgs) -> anyhow::Result<()> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         bail!("no NVRTC library found: put a folder holding libnvrtc.so on LD_LIBRARY_PATH");
     }
-    module::ptx_for(arch).context("compiling the CUDA kernels")?;
-    println!("{}", module::cache_path(arch).display());
+    module::image_for(target).context("compiling the CUDA kernels")?;
+    println!("{}", module::cache_path(target).display());
     Ok(())
 }
 

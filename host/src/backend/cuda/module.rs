@@ -1,5 +1,6 @@
 //! The kernels: the CUDA C sources in `kernels/` compiled once by NVRTC for the device's
-//! architecture (PTX cached per architecture and source hash in the cache folder), loaded as
+//! architecture (machine code, or PTX where NVRTC knows no machine code for it; cached per
+//! target and source hash in the cache folder), loaded as
 //! one module, and resolved into typed kernel ids. It compiles and names kernels; launching
 //! them is the queue's job.
 
@@ -8,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaFunction};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use sha2::{Digest, Sha256};
 
 use super::device::cuda_err;
@@ -51,7 +52,8 @@ pub fn source() -> String {
     s
 }
 
-/// The virtual architectures [`arch_for`] picks from.
+/// The virtual architectures [`arch_for`] picks from (PTX, compiled to machine code by the
+/// driver's JIT when loaded).
 pub const ARCHS: [&str; 7] = [
     "compute_80",
     "compute_86",
@@ -60,6 +62,12 @@ pub const ARCHS: [&str; 7] = [
     "compute_90",
     "compute_100",
     "compute_120",
+];
+
+/// The real architectures [`target_for`] picks from: NVRTC writes their machine code (a
+/// cubin), which loads without the driver's JIT (tens of seconds for these kernels).
+pub const SMS: [&str; 7] = [
+    "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120",
 ];
 
 /// The virtual architecture to compile for, from a compute capability.
@@ -77,29 +85,100 @@ pub fn arch_for(major: i32, minor: i32) -> &'static str {
     }
 }
 
-/// Compiles the kernels for `arch` with NVRTC (no cache).
-pub fn compile(arch: &'static str) -> Result<String> {
-    let opts = CompileOptions {
-        arch: Some(arch),
-        options: OPTIONS.iter().map(|s| s.to_string()).collect(),
-        name: Some("deepinfer_kernels.cu".into()),
-        ..Default::default()
-    };
-    let ptx = compile_ptx_with_opts(source(), opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => Error::Cuda(format!(
-            "NVRTC failed to compile kernels/*.cu:\n{}",
-            log.to_string_lossy()
-        )),
-        other => Error::Cuda(format!("NVRTC: {other:?}")),
-    })?;
-    Ok(ptx.to_src())
+/// What to compile for a compute capability: the device's own architecture where it is one of
+/// [`SMS`], else the PTX of [`arch_for`].
+pub fn target_for(major: i32, minor: i32) -> &'static str {
+    let own = format!("sm_{major}{minor}");
+    SMS.iter()
+        .copied()
+        .find(|&s| s == own)
+        .unwrap_or_else(|| arch_for(major, minor))
 }
 
-/// Where the PTX for `arch` of this build's kernels is cached: its name hashes the
-/// architecture, the NVRTC options and the source.
-pub fn cache_path(arch: &str) -> PathBuf {
+/// Whether `target` names a real architecture (NVRTC writes a cubin) rather than a virtual
+/// one (PTX).
+pub fn is_cubin(target: &str) -> bool {
+    target.starts_with("sm_")
+}
+
+/// Compiles `src` for `target` (`sm_XY`: a cubin; `compute_XY`: PTX text).
+fn compile_source(src: &str, target: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let nvrtc = |what: &str, e: result::NvrtcError| Error::Cuda(format!("NVRTC {what}: {e:?}"));
+    let src = std::ffi::CString::new(src)
+        .map_err(|_| Error::Cuda("the kernel source holds a NUL byte".into()))?;
+    /// Destroys the program however this function returns.
+    struct Program(sys::nvrtcProgram);
+    impl Drop for Program {
+        fn drop(&mut self) {
+            // SAFETY: made by `create_program` below and destroyed only here.
+            let _ = unsafe { result::destroy_program(self.0) };
+        }
+    }
+    let prog = Program(
+        result::create_program(&src, Some(c"deepinfer_kernels.cu"))
+            .map_err(|e| nvrtc("could not create a program", e))?,
+    );
+    let mut opts = vec![format!("--gpu-architecture={target}")];
+    opts.extend(OPTIONS.iter().map(|o| o.to_string()));
+    // SAFETY (this block and the ones below): `prog.0` is a live program (dropped at return),
+    // and `src` outlives it.
+    if let Err(e) = unsafe { result::compile_program(prog.0, &opts) } {
+        let log = unsafe { result::get_program_log(prog.0) }
+            .map(|l| {
+                let bytes: Vec<u8> = l
+                    .iter()
+                    .take_while(|&&c| c != 0)
+                    .map(|&c| c as u8)
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .unwrap_or_default();
+        return Err(Error::Cuda(format!(
+            "NVRTC failed to compile kernels/*.cu for {target} ({e:?}):\n{log}"
+        )));
+    }
+    if is_cubin(target) {
+        let mut size = 0usize;
+        unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+            .result()
+            .map_err(|e| nvrtc("cubin size", e))?;
+        let mut cubin = vec![0u8; size];
+        unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
+            .result()
+            .map_err(|e| nvrtc("cubin", e))?;
+        Ok(cubin)
+    } else {
+        let ptx = unsafe { result::get_ptx(prog.0) }.map_err(|e| nvrtc("PTX", e))?;
+        Ok(ptx
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect())
+    }
+}
+
+/// Compiles the kernels for `target` with NVRTC (no cache): a cubin for `sm_XY`, PTX text
+/// for `compute_XY`.
+pub fn compile(target: &str) -> Result<Vec<u8>> {
+    compile_source(&source(), target)
+}
+
+/// Whether `bytes` look like a complete image for `target` (a cache file cut short by a crash
+/// is compiled again).
+fn image_ok(target: &str, bytes: &[u8]) -> bool {
+    if is_cubin(target) {
+        bytes.starts_with(b"\x7fELF")
+    } else {
+        std::str::from_utf8(bytes).is_ok_and(|t| t.contains(".entry"))
+    }
+}
+
+/// Where the compiled kernels for `target` are cached (`<cache>/ptx/`, for cubins too): the
+/// name hashes the target, the NVRTC options and the source.
+pub fn cache_path(target: &str) -> PathBuf {
     let mut h = Sha256::new();
-    h.update(arch.as_bytes());
+    h.update(target.as_bytes());
     for o in OPTIONS {
         h.update(o.as_bytes());
     }
@@ -110,28 +189,41 @@ pub fn cache_path(arch: &str) -> PathBuf {
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect();
+    let ext = if is_cubin(target) { "cubin" } else { "ptx" };
     crate::model::fetch::cache_dir()
         .join("ptx")
-        .join(format!("{arch}-{hex}.ptx"))
+        .join(format!("{target}-{hex}.{ext}"))
 }
 
-/// PTX for `arch`: from the cache folder, else compiled and cached (a failed cache write only
-/// costs the next start a compile).
-pub fn ptx_for(arch: &'static str) -> Result<String> {
-    let path = cache_path(arch);
-    if let Ok(text) = std::fs::read_to_string(&path) {
-        if text.contains(".entry") {
-            return Ok(text);
+/// The kernels compiled for `target`: from the cache folder, else compiled and cached (a
+/// failed cache write only costs the next start a compile).
+pub fn image_for(target: &str) -> Result<Vec<u8>> {
+    let path = cache_path(target);
+    if let Ok(bytes) = std::fs::read(&path) {
+        if image_ok(target, &bytes) {
+            return Ok(bytes);
         }
     }
-    let ptx = compile(arch)?;
+    let image = compile(target)?;
     if let Some(dir) = path.parent() {
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &ptx).is_ok() {
+        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &image).is_ok() {
             let _ = std::fs::rename(&tmp, &path);
         }
     }
-    Ok(ptx)
+    Ok(image)
+}
+
+/// Loads the kernels of `target` into `ctx`.
+fn load_image(ctx: &Arc<CudaContext>, target: &str) -> Result<Arc<cudarc::driver::CudaModule>> {
+    let image = image_for(target)?;
+    let code = if is_cubin(target) {
+        Ptx::from_binary(image)
+    } else {
+        Ptx::from_src(String::from_utf8_lossy(&image).into_owned())
+    };
+    ctx.load_module(code)
+        .map_err(|e| cuda_err(&format!("loading the kernel module ({target})"), e))
 }
 
 /// Dynamic shared memory of the double-buffered prefill kernel for head dim `d`: the 64-row
@@ -275,10 +367,17 @@ impl Module {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("reading the compute capability", e))?;
-        let ptx = ptx_for(arch_for(major, minor))?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(|e| cuda_err("loading the kernel module", e))?;
+        let target = target_for(major, minor);
+        // A cubin the driver refuses (one written by a newer NVRTC than the driver knows, say)
+        // falls back to PTX, which the driver's JIT compiles.
+        let module = match load_image(ctx, target) {
+            Ok(m) => m,
+            Err(e) if is_cubin(target) => {
+                tracing::warn!("{e}; using PTX instead");
+                load_image(ctx, arch_for(major, minor))?
+            }
+            Err(e) => return Err(e),
+        };
         let max_smem =
             ctx.attribute(
                 sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -504,7 +603,7 @@ mod tests {
             );
             return;
         }
-        let ptx = compile("compute_90").expect("kernels compile");
+        let ptx = String::from_utf8(compile("compute_90").expect("kernels compile")).unwrap();
         for name in [
             "gemv_bf16w_bf16",
             "gemvb_bf16w_n4_r4u2_bf16",
@@ -532,7 +631,30 @@ mod tests {
     }
 
     #[test]
+    fn real_architectures_compile_to_a_cubin() {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("skipped: no NVRTC library");
+            return;
+        }
+        let src = "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }";
+        let cubin = compile_source(src, "sm_90").expect("compiles");
+        assert!(image_ok("sm_90", &cubin), "not an ELF image");
+        let ptx = compile_source(src, "compute_90").expect("compiles");
+        assert!(image_ok("compute_90", &ptx) && !image_ok("sm_90", &ptx));
+        let e = compile_source("this is not CUDA", "sm_90")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sm_90") && e.contains("error"), "{e}");
+    }
+
+    #[test]
     fn arch_names() {
+        assert_eq!(target_for(9, 0), "sm_90");
+        assert_eq!(target_for(12, 0), "sm_120");
+        assert_eq!(target_for(12, 1), "compute_90");
+        assert!(is_cubin("sm_90") && !is_cubin("compute_90"));
+        assert!(cache_path("sm_90").to_string_lossy().ends_with(".cubin"));
         assert_eq!(arch_for(9, 0), "compute_90");
         assert_eq!(arch_for(8, 0), "compute_80");
         // Every capability maps into ARCHS, which `deepinfer dev ptx` accepts.
