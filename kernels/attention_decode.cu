@@ -11,6 +11,75 @@
 #define DEC_WARPS 4
 #define DEC_MAXG 8  // most query heads per block; kernels exist for 1, 2, 4 and 8 (`_g<N>`)
 
+// One key of a key group (its LPK lanes hold 8-value slices of it) folded into the online
+// softmax of every head of the block (log2 units): the score q.k summed over the lanes, then
+// each head's max, sum and unnormalized output. Every lane of the warp must call this.
+template <int LPK, int MAXG>
+__device__ __forceinline__ void dec_key(const float (&q)[MAXG][8], const float* kf, const float* vf, bool valid,
+                                        int hn, float (&m)[MAXG], float (&l)[MAXG], float (&acc)[MAXG][8]) {
+#pragma unroll
+    for (int h = 0; h < MAXG; h++) {
+        if (h < hn) {
+            float sc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) sc = fmaf(q[h][i], kf[i], sc);
+#pragma unroll
+            for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            if (valid) {
+                const float mn = fmaxf(m[h], sc);
+                const float corr = exp2f(m[h] - mn);
+                const float p = exp2f(sc - mn);
+                l[h] = l[h] * corr + p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[h][i] = fmaf(p, vf[i], acc[h][i] * corr);
+                m[h] = mn;
+            }
+        }
+    }
+}
+
+// Leaves key group `grp`'s state of every head in shared memory, then waits for the block.
+template <int D, int MAXG, int NG>
+__device__ __forceinline__ void dec_stash(float (&sm_o)[NG][MAXG][D], float (&sm_m)[NG][MAXG],
+                                          float (&sm_l)[NG][MAXG], int grp, int sub, int hn,
+                                          const float (&m)[MAXG], const float (&l)[MAXG],
+                                          const float (&acc)[MAXG][8]) {
+#pragma unroll
+    for (int h = 0; h < MAXG; h++) {
+        if (h < hn) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sm_o[grp][h][sub * 8 + i] = acc[h][i];
+            if (sub == 0) {
+                sm_m[grp][h] = m[h];
+                sm_l[grp][h] = l[h];
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Head h's state at element d merged over the key groups in order: max, sum and unnormalized
+// output.
+template <int D, int MAXG, int NG>
+__device__ __forceinline__ void dec_merge(const float (&sm_o)[NG][MAXG][D], const float (&sm_m)[NG][MAXG],
+                                          const float (&sm_l)[NG][MAXG], int h, int d, float& mx,
+                                          float& lsum, float& o) {
+    mx = NEG_INF;
+    for (int q2 = 0; q2 < NG; q2++) mx = fmaxf(mx, sm_m[q2][h]);
+    lsum = 0.0f;
+    o = 0.0f;
+    if (mx != NEG_INF) {
+        for (int q2 = 0; q2 < NG; q2++) {
+            const float mq = sm_m[q2][h];
+            if (mq != NEG_INF) {
+                const float f = exp2f(mq - mx);
+                lsum += sm_l[q2][h] * f;
+                o += sm_o[q2][h][d] * f;
+            }
+        }
+    }
+}
+
 template <typename T, int D, int MAXG>
 __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T* q, const bf16_t* kc,
                                  const bf16_t* vc, const int* tok_seq, const int* positions, const int* tables,
@@ -75,55 +144,14 @@ __device__ void attn_decode_impl(float* part_o, float* part_ml, T* out, const T*
         float kf[8], vf[8];
         bf16x8_to_f32(kraw, kf);
         bf16x8_to_f32(vraw, vf);
-#pragma unroll
-        for (int h = 0; h < MAXG; h++) {
-            if (h < hn) {
-                float sc = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) sc = fmaf(qr[h][i], kf[i], sc);
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                if (valid) {
-                    const float mn = fmaxf(m[h], sc);
-                    const float corr = exp2f(m[h] - mn);
-                    const float p = exp2f(sc - mn);
-                    l[h] = l[h] * corr + p;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[h][i] = fmaf(p, vf[i], acc[h][i] * corr);
-                    m[h] = mn;
-                }
-            }
-        }
+        dec_key<LPK, MAXG>(qr, kf, vf, valid, hn, m, l, acc);
     }
 
-    const int grp = warp * KPW + kg;
-#pragma unroll
-    for (int h = 0; h < MAXG; h++) {
-        if (h < hn) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sm_o[grp][h][sub * 8 + i] = acc[h][i];
-            if (sub == 0) {
-                sm_m[grp][h] = m[h];
-                sm_l[grp][h] = l[h];
-            }
-        }
-    }
-    __syncthreads();
+    dec_stash<D, MAXG, NG>(sm_o, sm_m, sm_l, warp * KPW + kg, sub, hn, m, l, acc);
     for (int e = threadIdx.x; e < hn * D; e += blockDim.x) {
         const int h = e / D, d = e % D;
-        float mx = NEG_INF;
-        for (int q2 = 0; q2 < NG; q2++) mx = fmaxf(mx, sm_m[q2][h]);
-        float lsum = 0.0f, o = 0.0f;
-        if (mx != NEG_INF) {
-            for (int q2 = 0; q2 < NG; q2++) {
-                const float mq = sm_m[q2][h];
-                if (mq != NEG_INF) {
-                    const float f = exp2f(mq - mx);
-                    lsum += sm_l[q2][h] * f;
-                    o += sm_o[q2][h][d] * f;
-                }
-            }
-        }
+        float mx, lsum, o;
+        dec_merge<D, MAXG, NG>(sm_o, sm_m, sm_l, h, d, mx, lsum, o);
         const long row = (long)t * n_heads + h0 + h;
         if (splits == 1) {
             act_store(out, row * D + d, lsum > 0.0f ? o / lsum : 0.0f);
@@ -392,57 +420,16 @@ __device__ void attn_dec1_impl(T* out, T* q, T* k, const T* v, bf16_t* kc, bf16_
                     bf16x8_to_f32(kraw[p], kf);
                     bf16x8_to_f32(vraw[p], vf);
                 }
-#pragma unroll
-                for (int h = 0; h < MAXG; h++) {
-                    if (h < hn) {
-                        float sc = 0.0f;
-#pragma unroll
-                        for (int i = 0; i < 8; i++) sc = fmaf(qs[h][i], kf[i], sc);
-#pragma unroll
-                        for (int o = LPK / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                        if (valid) {
-                            const float mn = fmaxf(m[h], sc);
-                            const float corr = exp2f(m[h] - mn);
-                            const float pr = exp2f(sc - mn);
-                            l[h] = l[h] * corr + pr;
-#pragma unroll
-                            for (int i = 0; i < 8; i++) acc[h][i] = fmaf(pr, vf[i], acc[h][i] * corr);
-                            m[h] = mn;
-                        }
-                    }
-                }
+                dec_key<LPK, MAXG>(qs, kf, vf, valid, hn, m, l, acc);
             }
         }
     }
 
-    const int grp = warp * KPW + kg;
-#pragma unroll
-    for (int h = 0; h < MAXG; h++) {
-        if (h < hn) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sm_o[grp][h][sub * 8 + i] = acc[h][i];
-            if (sub == 0) {
-                sm_m[grp][h] = m[h];
-                sm_l[grp][h] = l[h];
-            }
-        }
-    }
-    __syncthreads();
+    dec_stash<D, MAXG, NG>(sm_o, sm_m, sm_l, warp * KPW + kg, sub, hn, m, l, acc);
     for (int e = threadIdx.x; e < hn * D; e += blockDim.x) {
         const int h = e / D, d = e % D;
-        float mx = NEG_INF;
-        for (int q2 = 0; q2 < NG; q2++) mx = fmaxf(mx, sm_m[q2][h]);
-        float lsum = 0.0f, o = 0.0f;
-        if (mx != NEG_INF) {
-            for (int q2 = 0; q2 < NG; q2++) {
-                const float mq = sm_m[q2][h];
-                if (mq != NEG_INF) {
-                    const float f = exp2f(mq - mx);
-                    lsum += sm_l[q2][h] * f;
-                    o += sm_o[q2][h][d] * f;
-                }
-            }
-        }
+        float mx, lsum, o;
+        dec_merge<D, MAXG, NG>(sm_o, sm_m, sm_l, h, d, mx, lsum, o);
         if (splits == 1) {
             act_store(out, ((long)t * n_heads + h0 + h) * D + d, lsum > 0.0f ? o / lsum : 0.0f);
         } else {
