@@ -69,6 +69,8 @@ impl Sampler for Typical {
             }
         }));
         let total: f64 = self.probs.iter().sum();
+        // Written so that a NaN total fails too.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(total > 0.0) {
             return Err("no candidate has a finite logit".into());
         }

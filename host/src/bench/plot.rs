@@ -79,11 +79,14 @@ pub fn pareto_front(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
     front
 }
 
+/// One plotted series: its name, its points, whether they are joined by a line, its colour.
+type Series = (String, Vec<(f64, f64)>, bool, usize);
+
 fn draw(
     path: &Path,
     title: &str,
     (x_label, y_label): (&str, &str),
-    groups: &[(String, Vec<(f64, f64)>, bool, usize)],
+    groups: &[Series],
 ) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
     let all: Vec<(f64, f64)> = groups.iter().flat_map(|g| g.1.iter().copied()).collect();

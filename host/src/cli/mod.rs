@@ -20,6 +20,8 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per run: the size of the largest variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Generate text from prompts (the default model is fetched on first use).

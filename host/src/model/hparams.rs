@@ -93,6 +93,8 @@ impl ModelConfig {
                     l.rope.dims, self.head_dim
                 ));
             }
+            // Written so that a NaN theta fails too.
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
             if !(l.rope.theta > 0.0) {
                 return bad(format!(
                     "layer {i}: rope theta {} must be positive",

@@ -211,10 +211,10 @@ impl Step<'_, '_> {
         let mut results: Vec<Result<Vec<TokenId>, String>> = vec![Ok(Vec::new()); out.seqs.len()];
         // Masked copies of the constrained rows' logits, by entry index.
         let mut masked: HashMap<usize, Vec<f32>> = HashMap::new();
-        let mut r = 0;
-        for (i, e) in out.seqs.iter().enumerate().filter(|(_, e)| e.wants_sample) {
+        let sampled = out.seqs.iter().enumerate().filter(|(_, e)| e.wants_sample);
+        // The step's logits rows are the sampled entries', in order.
+        for (r, (i, e)) in sampled.enumerate() {
             let row = full_row(logits, vocab, r);
-            r += 1;
             match (masks.get(&i), row) {
                 (Some(NextMask::Allowed(_)), None) => {
                     results[i] = Err(format!(

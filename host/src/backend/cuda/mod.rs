@@ -450,7 +450,9 @@ pub struct CudaBuf {
 }
 
 impl CudaBuf {
-    /// Elements held (padding rows not counted).
+    /// Elements held (padding rows not counted: the field `len` is the device length, which
+    /// counts them).
+    #[allow(clippy::misnamed_getters)]
     pub fn len(&self) -> usize {
         self.host_len
     }
