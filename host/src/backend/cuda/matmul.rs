@@ -312,14 +312,7 @@ pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> boo
         Some(Op::Gemv(g)) => return inner.opts.fuse_silu && fold_silu_gemv(inner, g, gate, up, n),
         _ => return false,
     };
-    let segs = &g.p.segs;
-    if g.swiglu
-        || segs.len() != 2
-        || segs[0].1 != gate
-        || segs[1].1 != up
-        || segs[0].2 != segs[1].2
-        || segs[0].2 * g.p.n != n
-    {
+    if g.swiglu || !g.p.is_gate_up(gate, up, n) {
         return false;
     }
     g.swiglu = true;
@@ -329,15 +322,7 @@ pub(crate) fn fold_silu(inner: &Arc<Inner>, gate: u64, up: u64, n: usize) -> boo
 
 /// [`fold_silu`] for a GEMV: a block-cooperative kernel with SwiGLU must exist for its shape.
 fn fold_silu_gemv(inner: &Inner, g: &mut Gemv, gate: u64, up: u64, n: usize) -> bool {
-    let segs = &g.p.segs;
-    if g.swiglu
-        || g.res != 0
-        || segs.len() != 2
-        || segs[0].1 != gate
-        || segs[1].1 != up
-        || segs[0].2 != segs[1].2
-        || segs[0].2 * g.p.n != n
-    {
+    if g.swiglu || g.res != 0 || !g.p.is_gate_up(gate, up, n) {
         return false;
     }
     let fold = if g.norm.is_some() {

@@ -68,6 +68,13 @@ impl Product {
             && y != self.x
     }
 
+    /// Whether this is a gate/up pair a SwiGLU over `gate` and `up` (`n` values each) can fold
+    /// into: two segments of equal rows writing exactly those buffers.
+    pub fn is_gate_up(&self, gate: u64, up: u64, n: usize) -> bool {
+        let s = &self.segs;
+        s.len() == 2 && s[0].1 == gate && s[1].1 == up && s[0].2 == s[1].2 && s[0].2 * self.n == n
+    }
+
     /// The kernels' leading parameters: the (weights, output, rows) segments, then the input,
     /// its token count, k and the weights' row bytes.
     fn args(&self, a: &mut [u64]) {
