@@ -61,6 +61,15 @@ __device__ __forceinline__ void act_load8(const bf16_t* p, float* out) {
     bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
 }
 
+// A 16-byte load that skips L1: weights are read once, the activations stay cached.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // A load that skips L1 (reads what other blocks wrote before a fence).
 __device__ __forceinline__ float ld_cg(const float* p) {
     float v;

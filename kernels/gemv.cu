@@ -9,15 +9,6 @@
 #define GEMV_MAX_N 8
 #define GEMV_UNROLL 4
 
-// A 16-byte load that skips L1: weights are read once, the activations stay cached.
-__device__ __forceinline__ uint4 ld_stream16(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ void f16x8_to_f32(uint4 v, float* out) {
     out[0] = f16_to_f32((f16_t)(v.x & 0xffff)); out[1] = f16_to_f32((f16_t)(v.x >> 16));
     out[2] = f16_to_f32((f16_t)(v.y & 0xffff)); out[3] = f16_to_f32((f16_t)(v.y >> 16));

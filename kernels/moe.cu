@@ -388,14 +388,6 @@ MOE_WRAPPERS(bf16_t, bf16)
 #define MOED_EPB 4         // experts per routing block
 #define MOED_R 4           // rows per block of the expert products
 
-__device__ __forceinline__ uint4 moe_ld16(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ void moe_prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
@@ -687,8 +679,8 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const 
 #pragma unroll
         for (int i = 0; i < R; i++) {
             if (i < nr) {
-                rg[i] = moe_ld16(wg + (long)i * d + (long)c * CE);
-                ru[i] = moe_ld16(wu + (long)i * d + (long)c * CE);
+                rg[i] = ld_stream16(wg + (long)i * d + (long)c * CE);
+                ru[i] = ld_stream16(wu + (long)i * d + (long)c * CE);
             } else {
                 rg[i] = ru[i] = make_uint4(0, 0, 0, 0);
             }
@@ -769,7 +761,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
     if (n_shared > 0 && tid < nch) {
 #pragma unroll
         for (int i = 0; i < R; i++)
-            if (i < nr) cur[i] = moe_ld16(sh_down + (long)(r0 + i) * sh_ld + (long)tid * CE);
+            if (i < nr) cur[i] = ld_stream16(sh_down + (long)(r0 + i) * sh_ld + (long)tid * CE);
     }
     // early: every later step's rows are asked into L2 as soon as their addresses are known
     // (the shared slots' now, the routed ones' once the slot table is read), so the steps'
@@ -824,7 +816,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
     if (n_shared == 0 && steps > 0 && tid < nch) {
 #pragma unroll
         for (int i = 0; i < R; i++)
-            if (i < nr) cur[i] = moe_ld16(sp[0] + (long)i * sld[0] + (long)tid * CE);
+            if (i < nr) cur[i] = ld_stream16(sp[0] + (long)i * sld[0] + (long)tid * CE);
     }
     float acc[R][N];
 #pragma unroll
@@ -839,7 +831,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
             if (c < nch) {
 #pragma unroll
                 for (int i = 0; i < R; i++)
-                    if (i < nr) nxt[i] = moe_ld16(sp[q] + (long)i * sld[q] + (long)c * CE);
+                    if (i < nr) nxt[i] = ld_stream16(sp[q] + (long)i * sld[q] + (long)c * CE);
             }
         }
         const int q = k / iters;
