@@ -261,19 +261,6 @@ DECODE_ALL(bf16_t, bf16)
 // `attn_combine`, so the outputs are bit-identical to theirs.
 #define DEC1_PF 4
 
-__device__ __forceinline__ void dec_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The float at this block's shared address `p`, in cluster block `rank`.
-__device__ __forceinline__ float dec_ld_peer(const float* p, u32 rank) {
-    u32 a = (u32)__cvta_generic_to_shared(p), r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-}
-
 // Rotates a lane's 8 consecutive elements [e0, e0 + 8) of a head of D (the whole head; angles
 // `cs`/`sn` of the token, D/2 of them). Style 1 pairs element e with e + D/2, held by lane
 // sub ^ (D/16) of the same key group: every lane of the warp must call this.
@@ -441,21 +428,21 @@ __device__ void attn_dec1_impl(T* out, T* q, T* k, const T* v, bf16_t* kc, bf16_
         }
     }
     if (splits > 1) {
-        dec_cluster_sync();
+        cluster_sync();
         // Block s merges elements s * blockDim.x + tid, + splits * blockDim.x, ... of the
         // group's heads over the splits in rank order, as `attn_combine` does.
         for (int e = s * blockDim.x + threadIdx.x; e < hn * D; e += splits * blockDim.x) {
             const int h = e / D, d = e % D;
             float mx = NEG_INF;
-            for (int r = 0; r < splits; r++) mx = fmaxf(mx, dec_ld_peer(&cl_ml[h][0], r));
+            for (int r = 0; r < splits; r++) mx = fmaxf(mx, cluster_ld(&cl_ml[h][0], r));
             float lsum = 0.0f, o = 0.0f;
             if (mx != NEG_INF) {
                 for (int r = 0; r < splits; r++) {
-                    const float ms = dec_ld_peer(&cl_ml[h][0], r);
+                    const float ms = cluster_ld(&cl_ml[h][0], r);
                     if (ms != NEG_INF) {
                         const float f = exp2f(ms - mx);
-                        lsum += dec_ld_peer(&cl_ml[h][1], r) * f;
-                        o += dec_ld_peer(&cl_o[h][d], r) * f;
+                        lsum += cluster_ld(&cl_ml[h][1], r) * f;
+                        o += cluster_ld(&cl_o[h][d], r) * f;
                     }
                 }
             }
@@ -478,7 +465,7 @@ __device__ void attn_dec1_impl(T* out, T* q, T* k, const T* v, bf16_t* kc, bf16_
         for (int i = 0; i < 8; i++) act_store(kp, i, kn[i]);
     }
     // No block leaves while the cluster may still read its shared memory.
-    if (splits > 1) dec_cluster_sync();
+    if (splits > 1) cluster_sync();
 }
 
 #define DEC1_WRAPPER(T, S, D, G)                                                                                  \

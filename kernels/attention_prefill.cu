@@ -226,11 +226,6 @@ __device__ void attn_prefill_impl(T* out, const T* q, const bf16_t* kc, const bf
 // The same computation with the K/V tiles double-buffered: while a tile is multiplied, the
 // next one streams into the other buffer with cp.async (16-byte copies, zero-filled past the
 // context). Shared memory: Q tile + 2 x (K, V) tiles, dynamic (80 KB at D = 128).
-__device__ __forceinline__ void cp_async16(bf16_t* dst, const bf16_t* src, bool valid) {
-    const u32 a = (u32)__cvta_generic_to_shared(dst);
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(n));
-}
 
 template <typename T, int D>
 __device__ void attn_prefill2_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,

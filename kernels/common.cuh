@@ -158,6 +158,47 @@ __device__ __forceinline__ float weight_at(int wt, const u8* w, long row_bytes, 
     return ld_f16(b) * ((float)q - 8.0f);
 }
 
+// An activation value rounded to the storage type (what a store and a load back give).
+__device__ __forceinline__ float act_round(const float*, float v) { return v; }
+__device__ __forceinline__ float act_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// 16 bytes copied from global to shared memory without passing through registers (zero-filled
+// when `valid` is false); `cp_async_wait_all` waits for this thread's copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const u32 a = (u32)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Thread-block clusters (sm_90+): a barrier of every thread of the cluster (release / acquire,
+// so shared-memory writes before it are seen by the cluster's reads after it), and loads from
+// the shared memory of cluster block `rank` at this block's address of the same variable.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(u32 a, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float cluster_ld(const float* p, u32 rank) {
+    const u32 r = cluster_addr((u32)__cvta_generic_to_shared(p), rank);
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
+    const u32 r = cluster_addr(a, rank);
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(r)
+                 : "memory");
+    return v;
+}
+
 // Programmatic dependent launch (Hopper+; the host launches kernels with the programmatic
 // stream serialization attribute when the device supports it). Every kernel calls
 // `pdl_launch_dependents()` at entry, so the next kernel's blocks may be scheduled while this

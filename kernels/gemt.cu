@@ -40,28 +40,6 @@ __device__ __forceinline__ void gemt_mma(float* c, u32 a0, u32 a1, u32 a2, u32 a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void gemt_cp16(bf16_t* dst, const bf16_t* src, bool valid) {
-    const u32 a = (u32)__cvta_generic_to_shared(dst);
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(n));
-}
-
-__device__ __forceinline__ void gemt_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// Four floats at shared address `a` of cluster block `rank`.
-__device__ __forceinline__ float4 gemt_ld_peer(u32 a, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(r)
-                 : "memory");
-    return v;
-}
-
 // Four k-steps of 32 (one half chunk) of a lane's two rows, zero past `hi` or off the matrix.
 __device__ __forceinline__ void gemt_load(uint4 (&a)[4], uint4 (&b)[4], const u8* pa, const u8* pb, bool oka,
                                           bool okb, int k0, int hi) {
@@ -135,7 +113,7 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
         for (int i = tid; i < TP * (GEMT_KC / 8); i += GEMT_THREADS) {
             const int r = i / (GEMT_KC / 8), kk = k0 + (i % (GEMT_KC / 8)) * 8;
             const bool ok = r < n && kk < hi;
-            gemt_cp16(dst + r * GEMT_XS + (kk - k0), ok ? x + (long)r * k + kk : x, ok);
+            cp_async16(dst + r * GEMT_XS + (kk - k0), ok ? x + (long)r * k + kk : x, ok);
         }
         asm volatile("cp.async.commit_group;");
     };
@@ -171,7 +149,7 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
         red[tok * GEMT_RS + r + 8] = acc[j][2];
         red[(tok + 1) * GEMT_RS + r + 8] = acc[j][3];
     }
-    gemt_cluster_sync();
+    cluster_sync();
     // Block `split` finishes 1/splits of the tile's rows, 4 rows of a token at a time (with
     // SwiGLU 4 gate rows and the matching up rows).
     constexpr int OUT_ROWS = MODE == GEMT_SWIGLU ? GEMT_ROWS / 2 : GEMT_ROWS;
@@ -182,10 +160,10 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
         float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float4 u = s;
         for (int p = 0; p < splits; p++) {
-            const float4 v = gemt_ld_peer(base, p);
+            const float4 v = cluster_ld4(base, p);
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
             if (MODE == GEMT_SWIGLU) {
-                const float4 vu = gemt_ld_peer(base + (GEMT_ROWS / 2) * 4, p);
+                const float4 vu = cluster_ld4(base + (GEMT_ROWS / 2) * 4, p);
                 u.x += vu.x; u.y += vu.y; u.z += vu.z; u.w += vu.w;
             }
         }
@@ -211,7 +189,7 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
         }
     }
     // No block may leave while a peer still reads its shared memory.
-    gemt_cluster_sync();
+    cluster_sync();
 }
 
 // gemt<mode>_t<tokens>: mode "" (plain, up to three segments) or "s" (gate/up with SwiGLU).

@@ -175,10 +175,6 @@ GEMV_ALL(bf16_t, bf16)
 #define GEMVB_ACC 2
 #define GEMVB_SWIGLU 4
 
-// An activation rounded to its storage type, kept as float.
-__device__ __forceinline__ float act_round(const float*, float v) { return v; }
-__device__ __forceinline__ float act_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 template <typename T, int WT, int N, int R, int U, int MODE>
 __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0,
                                            int m1, int m2, const T* x, int n, int k, long row_bytes,

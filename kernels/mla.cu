@@ -641,6 +641,285 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
     }
 }
 
+// ---- Decode steps of one token a sequence: one launch (mla_dec1) ----
+//
+// Block (cluster rank b, head h, token t): the C blocks of a cluster (grid (C, H, n), cluster
+// (C, 1, 1)) serve one head of one token. Block b absorbs latent columns [b rc, (b + 1) rc)
+// of the query (rc = r / C), the cluster gathers the whole absorbed query through distributed
+// shared memory, block b attends over keys [b chunk, (b + 1) chunk) of the context, the
+// splits merge through distributed shared memory in rank order, and block b projects V rows
+// [b vc, (b + 1) vc) (vc = v / C). The block holding the token's own position computes its
+// cache row (RMS-normalized latent, rotated rope key, rounded to T) and uses it from shared
+// memory; head 0's cluster writes it to the cache. Every other cached key was written by an
+// earlier step, so the first tile's rows stream into shared memory (cp.async) before the
+// programmatic wait, together with both projections' weights (into registers). Nothing a
+// token computes depends on the other tokens of the step.
+#define MLA1_THREADS 256
+#define MLA1_MAXRC 64                    // most absorbed latent columns a block (r / C)
+#define MLA1_PRE 4                       // 8-value weight chunks a thread holds for the absorption
+#define MLA1_VR 2                        // V rows a warp
+#define MLA1_VC 2                        // 8-value chunks of a V row a lane (r <= 512)
+#define MLA1_MAXDR 128                   // most rope values
+
+// Eight consecutive weights, loaded raw (so the load can go out early) and converted later.
+template <typename WT>
+struct Mla8;
+template <>
+struct Mla8<bf16_t> {
+    uint4 v;
+    __device__ __forceinline__ void zero() { v = make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ void load(const bf16_t* p) { v = ld_stream16(p); }
+    __device__ __forceinline__ void get(float* o) const { bf16x8_to_f32(v, o); }
+};
+template <>
+struct Mla8<float> {
+    uint4 a, b;
+    __device__ __forceinline__ void zero() { a = b = make_uint4(0, 0, 0, 0); }
+    __device__ __forceinline__ void load(const float* p) {
+        a = ld_stream16(p);
+        b = ld_stream16(p + 4);
+    }
+    __device__ __forceinline__ void get(float* o) const {
+        o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y); o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+        o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y); o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
+    }
+};
+
+// Looks up the cache offsets of keys [j0, j0 + nk) into slot_of, then streams their rows
+// (all but position `skip`) into kt with cp.async; the caller waits and synchronizes.
+template <typename T, int KT>
+__device__ __forceinline__ void mla1_tile(T (*kt)[MLA_MAXW], long* slot_of, const T* cache, const int* table,
+                                          int block_size, int W, int j0, int nk, int skip) {
+    if ((int)threadIdx.x < nk) {
+        const int j = j0 + threadIdx.x;
+        slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
+    }
+    __syncthreads();
+    constexpr int E = 16 / sizeof(T);  // values a 16-byte copy
+    const int per = W / E;
+    for (int e = threadIdx.x; e < nk * per; e += blockDim.x) {
+        const int kk = e / per, c = (e % per) * E;
+        if (j0 + kk != skip) cp_async16(&kt[kk][c], cache + slot_of[kk] + c, true);
+    }
+    cp_async_commit();
+}
+
+template <typename T, typename WT>
+__device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain,
+                              const float* inv_freq, const long* slots, const int* positions, const int* tok_seq,
+                              const int* tables, int table_width, int block_size, int heads, int nope, int dr, int v,
+                              int r, float eps, float rs, int interleaved, float scale_log2) {
+    constexpr int KT = sizeof(T) == 2 ? 32 : 16;  // keys a tile: 36 KB either way
+    __shared__ __align__(16) T kt[KT][MLA_MAXW];
+    __shared__ long slot_of[KT];
+    __shared__ float qf[MLA_MAXW];                 // scaled query (latent + rope); later the merged output
+    __shared__ float ql[MLA1_MAXRC];               // this block's absorbed columns, read by the cluster
+    __shared__ float buf[MLA_WARPS * MLA1_MAXRC];  // absorption partials; later this split's output
+    __shared__ float qn[MLA_MAXNOPE];
+    __shared__ float nrow[MLA_MAXW];               // the token's own cache row
+    __shared__ float cs[MLA1_MAXDR / 2], sn[MLA1_MAXDR / 2];
+    __shared__ float sc[KT];
+    __shared__ float ml[2];
+    __shared__ float red[32];
+    const int b = blockIdx.x, C = gridDim.x, h = blockIdx.y, t = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int W = r + dr, qk = nope + dr, half = dr / 2;
+    const int rc = r / C, ncc = rc / 8, vc = v / C;
+    const int pos = positions[t];
+    const int len = pos + 1;
+    const int chunk = (len + C - 1) / C;
+    const int k0 = min(len, b * chunk), k1 = min(len, k0 + chunk);
+    const bool owner = k0 <= pos && pos < k1;
+    const int* table = tables + (long)tok_seq[t] * table_width;
+    const WT* wh = w + (long)h * (nope + v) * r;
+    // Before the wait: the weights (no kernel writes them), the rope's angles (the step's
+    // positions are uploaded before its kernels) and the first tile of earlier steps' keys.
+    Mla8<WT> wa[MLA1_PRE], wv[MLA1_VR][MLA1_VC];
+#pragma unroll
+    for (int i = 0; i < MLA1_PRE; i++) {
+        const int e = tid + i * MLA1_THREADS, j = e / ncc;
+        wa[i].zero();
+        if (j < nope) wa[i].load(wh + (long)j * r + b * rc + (e % ncc) * 8);
+    }
+#pragma unroll
+    for (int a = 0; a < MLA1_VR; a++)
+#pragma unroll
+        for (int z = 0; z < MLA1_VC; z++) {
+            const int jj = warp + MLA_WARPS * a, cq = lane + 32 * z;
+            wv[a][z].zero();
+            if (jj < vc && cq * 8 < r) wv[a][z].load(wh + (long)(nope + b * vc + jj) * r + cq * 8);
+        }
+    if (tid < half) {
+        const float ang = inv_freq[tid] * (float)pos;
+        cs[tid] = (float)cos((double)ang) * rs;
+        sn[tid] = (float)sin((double)ang) * rs;
+    }
+    if (k0 < k1) mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
+    pdl_wait();
+
+    // The nope query, and the rope query rotated (every block keeps the whole rope part).
+    const T* qh = q + ((long)t * heads + h) * qk;
+    for (int j = tid; j < nope; j += blockDim.x) qn[j] = act_load(qh, j);
+    __syncthreads();  // cs, sn
+    for (int p = tid; p < half; p += blockDim.x) {
+        const int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
+        const float x = act_load(qh, nope + ia), y = act_load(qh, nope + ib);
+        qf[r + ia] = (x * cs[p] - y * sn[p]) * scale_log2;
+        qf[r + ib] = (y * cs[p] + x * sn[p]) * scale_log2;
+    }
+    // The token's own cache row, rounded as the cache stores it.
+    if (owner) {
+        const T* row = kva + (long)t * W;
+        float ss = 0.0f;
+        for (int c = tid; c < r; c += blockDim.x) {
+            const float x = act_load(row, c);
+            ss = fmaf(x, x, ss);
+        }
+        ss = block_sum(ss, red);
+        const float inv = 1.0f / sqrtf(ss / (float)r + eps);
+        T* dst = cache + slots[t] * (long)W;
+        for (int c = tid; c < r; c += blockDim.x) {
+            const float x = act_round(cache, gain[c] * (act_load(row, c) * inv));
+            nrow[c] = x;
+            if (h == 0) act_store(dst, c, x);
+        }
+        for (int p = tid; p < half; p += blockDim.x) {
+            const int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
+            const float x = act_load(row, r + ia), y = act_load(row, r + ib);
+            const float xa = act_round(cache, x * cs[p] - y * sn[p]), xb = act_round(cache, y * cs[p] + x * sn[p]);
+            nrow[r + ia] = xa;
+            nrow[r + ib] = xb;
+            if (h == 0) {
+                act_store(dst, r + ia, xa);
+                act_store(dst, r + ib, xb);
+            }
+        }
+    }
+    // This block's absorbed columns: lanes of a warp with the same column chunk (lane % ncc)
+    // add their rows, then the warps' sums meet in shared memory.
+    {
+        float acc[8];
+#pragma unroll
+        for (int z = 0; z < 8; z++) acc[z] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA1_PRE; i++) {
+            const int j = (tid + i * MLA1_THREADS) / ncc;
+            if (j < nope) {
+                float wf[8];
+                wa[i].get(wf);
+                const float x = qn[j];
+#pragma unroll
+                for (int z = 0; z < 8; z++) acc[z] = fmaf(x, wf[z], acc[z]);
+            }
+        }
+        for (int o = 16; o >= ncc; o >>= 1)
+#pragma unroll
+            for (int z = 0; z < 8; z++) acc[z] += __shfl_xor_sync(0xffffffffu, acc[z], o);
+        if (lane < ncc)
+#pragma unroll
+            for (int z = 0; z < 8; z++) buf[warp * MLA1_MAXRC + lane * 8 + z] = acc[z];
+        __syncthreads();
+        if (tid < rc) {
+            float s = 0.0f;
+            for (int w8 = 0; w8 < MLA_WARPS; w8++) s += buf[w8 * MLA1_MAXRC + tid];
+            ql[tid] = s;
+        }
+    }
+    cluster_sync();
+    for (int c = tid; c < r; c += blockDim.x) qf[c] = cluster_ld(&ql[c % rc], c / rc) * scale_log2;
+
+    // This split's keys, a tile at a time (online softmax); thread tid owns latent columns
+    // 2 tid and 2 tid + 1.
+    const int c0 = 2 * tid;
+    float m = NEG_INF, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
+    for (int j0 = k0; j0 < k1; j0 += KT) {
+        const int nk = min(KT, k1 - j0);
+        if (j0 != k0) {
+            __syncthreads();  // the last tile is used up
+            mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, j0, nk, pos);
+        }
+        cp_async_wait_all();
+        if (pos >= j0 && pos < j0 + nk)
+            for (int c = tid; c < W; c += blockDim.x) act_store(&kt[pos - j0][0], c, nrow[c]);
+        __syncthreads();
+        for (int kk = warp; kk < nk; kk += MLA_WARPS) {
+            float s = 0.0f;
+            for (int c = lane; c < W; c += 32) s = fmaf(qf[c], act_load(&kt[kk][0], c), s);
+            s = warp_sum(s);
+            if (lane == 0) sc[kk] = s;
+        }
+        __syncthreads();
+        float mx = NEG_INF;
+        for (int kk = 0; kk < nk; kk++) mx = fmaxf(mx, sc[kk]);
+        const float mn = fmaxf(m, mx);
+        const float corr = exp2f(m - mn);
+        float ps = 0.0f;
+        o0 *= corr;
+        o1 *= corr;
+        for (int kk = 0; kk < nk; kk++) {
+            const float p = exp2f(sc[kk] - mn);
+            ps += p;
+            if (c0 < r) {
+                o0 = fmaf(p, act_load(&kt[kk][0], c0), o0);
+                o1 = fmaf(p, act_load(&kt[kk][0], c0 + 1), o1);
+            }
+        }
+        l = l * corr + ps;
+        m = mn;
+    }
+    if (c0 < r) {
+        buf[c0] = o0;
+        buf[c0 + 1] = o1;
+    }
+    if (tid == 0) {
+        ml[0] = m;
+        ml[1] = l;
+    }
+    cluster_sync();
+    // The splits merged in rank order; every block gets the whole latent output.
+    {
+        float mx = NEG_INF;
+        for (int s = 0; s < C; s++) mx = fmaxf(mx, cluster_ld(&ml[0], s));
+        float lsum = 0.0f, a0 = 0.0f, a1 = 0.0f;
+        for (int s = 0; s < C; s++) {
+            const float ms = cluster_ld(&ml[0], s);
+            const float f = ms == NEG_INF ? 0.0f : exp2f(ms - mx);
+            lsum += cluster_ld(&ml[1], s) * f;
+            if (c0 < r) {
+                a0 = fmaf(cluster_ld(&buf[c0], s), f, a0);
+                a1 = fmaf(cluster_ld(&buf[c0 + 1], s), f, a1);
+            }
+        }
+        const float inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+        if (c0 < r) {
+            qf[c0] = a0 * inv_l;
+            qf[c0 + 1] = a1 * inv_l;
+        }
+    }
+    // No block leaves (or reuses its shared memory) while the cluster may still read it;
+    // this also publishes qf within the block.
+    cluster_sync();
+    // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
+#pragma unroll
+    for (int a = 0; a < MLA1_VR; a++) {
+        const int jj = warp + MLA_WARPS * a;
+        if (jj >= vc) continue;
+        float s = 0.0f;
+#pragma unroll
+        for (int z = 0; z < MLA1_VC; z++) {
+            const int cq = lane + 32 * z;
+            if (cq * 8 < r) {
+                float wf[8];
+                wv[a][z].get(wf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) s = fmaf(wf[e], qf[cq * 8 + e], s);
+            }
+        }
+        s = warp_sum(s);
+        if (lane == 0) act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
+    }
+}
+
 #define MLA_WRAPPERS(T, S)                                                                                           \
     extern "C" __global__ void mla_q_absorb_wf32_##S(                                                                \
         float* qf, const T* q, const float* w, int n, int heads, int nope, int dr, int v, int r, T* cache,           \
@@ -704,6 +983,24 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
                                                   int heads, int nope, int v, int r, int splits) {                   \
         pdl_launch_dependents();                                                                                     \
         mla_v_up_impl<T, float, true>(out, part_o, part_ml, w, heads, nope, v, r, splits);                           \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_wf32_##S(                                  \
+        T* out, const T* q, const T* kva, const float* w, T* cache, const float* gain, const float* inv_freq,        \
+        const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
+        int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
+        float scale_log2) {                                                                                          \
+        pdl_launch_dependents();                                                                                     \
+        mla_dec1_impl<T, float>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,           \
+                                table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);   \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_wbf16_##S(                                 \
+        T* out, const T* q, const T* kva, const bf16_t* w, T* cache, const float* gain, const float* inv_freq,       \
+        const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
+        int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
+        float scale_log2) {                                                                                          \
+        pdl_launch_dependents();                                                                                     \
+        mla_dec1_impl<T, bf16_t>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,          \
+                                 table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);  \
     }                                                                                                                \
     extern "C" __global__ void mla_v_up2_wbf16_##S(T* out, const float* part_o, const float* part_ml,                \
                                                    const bf16_t* w, int heads, int nope, int v, int r, int splits) { \

@@ -425,8 +425,82 @@ __device__ __forceinline__ void moe_act_load(const bf16_t* p, float* o, int ce) 
         o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
     }
 }
-__device__ __forceinline__ float moe_round(const float*, float v) { return v; }
-__device__ __forceinline__ float moe_round(const bf16_t*, float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// Eight activations as floats through L2 only (what an earlier kernel wrote, read by a kernel
+// that does not wait for its predecessor: see moe_gu_dec).
+__device__ __forceinline__ uint4 moe_ld_cg16(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void moe_load8(const float* p, float* o, bool cg) {
+    if (!cg) {
+        act_load8(p, o);
+        return;
+    }
+    const uint4 a = moe_ld_cg16(p), b = moe_ld_cg16(p + 4);
+    o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y); o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+    o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y); o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
+}
+__device__ __forceinline__ void moe_load8(const bf16_t* p, float* o, bool cg) {
+    bf16x8_to_f32(cg ? moe_ld_cg16(p) : *reinterpret_cast<const uint4*>(p), o);
+}
+
+// CE (4 or 8) activations as floats through L2 only.
+__device__ __forceinline__ void moe_load_cg(const float* p, float* o, int ce) {
+    if (ce == 8) {
+        moe_load8(p, o, true);
+    } else {
+        const uint4 a = moe_ld_cg16(p);
+        o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y); o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+    }
+}
+__device__ __forceinline__ void moe_load_cg(const bf16_t* p, float* o, int ce) {
+    if (ce == 8) {
+        moe_load8(p, o, true);
+    } else {
+        uint2 v;
+        asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+        o[0] = __uint_as_float(v.x << 16); o[1] = __uint_as_float(v.x & 0xffff0000u);
+        o[2] = __uint_as_float(v.y << 16); o[3] = __uint_as_float(v.y & 0xffff0000u);
+    }
+}
+
+// The RMSNorm scales of the n rows of x (d values, 8 a load): rstd[t] = 1 / sqrt(mean(x^2) +
+// eps) for every thread, the same sums in the same order in each kernel that calls it (256
+// threads). `red` holds [warps][stride] floats; ends with a barrier.
+template <typename T>
+__device__ void moe_rstd(const T* x, int n, int d, float eps, bool cg, float* red, int stride, float* rstd) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nch = d >> 3;
+    float ss[MOED_MAXN];
+#pragma unroll
+    for (int t = 0; t < MOED_MAXN; t++) ss[t] = 0.0f;
+    for (int c = tid; c < nch; c += blockDim.x) {
+#pragma unroll
+        for (int t = 0; t < MOED_MAXN; t++) {
+            if (t < n) {
+                float v[8];
+                moe_load8(x + (long)t * d + c * 8, v, cg);
+#pragma unroll
+                for (int j = 0; j < 8; j++) ss[t] = fmaf(v[j], v[j], ss[t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MOED_MAXN; t++) {
+        if (t < n) {
+            const float s = warp_sum(ss[t]);
+            if (lane == 0) red[warp * stride + t] = s;
+        }
+    }
+    __syncthreads();
+    if (tid < n) {
+        float s = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w * stride + tid];
+        rstd[tid] = 1.0f / sqrtf(s / (float)d + eps);
+    }
+    __syncthreads();
+}
 
 template <typename T>
 __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok,
@@ -451,7 +525,8 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     const int ne = min(MOED_EPB, E - e0);
     const int nch = d >> 3;
     const int wb = gate_wt == WT_F32 ? 4 : 2;
-    pdl_launch_dependents();
+    // The dependents are let in only after the wait below: moe_gu_dec's shared slots then
+    // read the layer's input without waiting for this kernel.
     // The first chunk of each gate row is no earlier kernel's output: loaded before the wait
     // (raw), the rest on its way to L2.
     uint4 graw[MOED_EPB][2];
@@ -477,6 +552,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         if (bias != nullptr) my_bias = bias[tid];
     }
     pdl_wait();
+    pdl_launch_dependents();
     // What the last block needs of expert tid, loaded early by every block (any may be last).
     unsigned long long my_total = 0;
     if (tid < E) {
@@ -488,34 +564,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         my_total = totals[tid];
     }
     if (gain != nullptr) {
-        float ss[MOED_MAXN];
-#pragma unroll
-        for (int t = 0; t < MOED_MAXN; t++) ss[t] = 0.0f;
-        for (int c = tid; c < nch; c += blockDim.x) {
-#pragma unroll
-            for (int t = 0; t < MOED_MAXN; t++) {
-                if (t < n) {
-                    float v[8];
-                    act_load8(x + (long)t * d + c * 8, v);
-#pragma unroll
-                    for (int j = 0; j < 8; j++) ss[t] = fmaf(v[j], v[j], ss[t]);
-                }
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < MOED_MAXN; t++) {
-            if (t < n) {
-                const float s = warp_sum(ss[t]);
-                if (lane == 0) red[warp][t] = s;
-            }
-        }
-        __syncthreads();
-        if (tid < n) {
-            float s = 0.0f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w][tid];
-            rstd[tid] = 1.0f / sqrtf(s / (float)d + eps);
-        }
-        __syncthreads();
+        moe_rstd(x, n, d, eps, false, &red[0][0], MOED_EPB * MOED_MAXN, rstd);
         // this block's slice of the normalized rows, as the RMSNorm kernel writes them
         for (long i = (long)blockIdx.x * blockDim.x + tid; i < (long)n * nch; i += (long)gridDim.x * blockDim.x) {
             const int t = (int)(i / nch), c = (int)(i % nch);
@@ -549,7 +598,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
                 act_load8(x + (long)t * d + c * 8, xv);
                 if (gain != nullptr) {
 #pragma unroll
-                    for (int j = 0; j < 8; j++) xv[j] = moe_round(x, xv[j] * rstd[t] * gain[c * 8 + j]);
+                    for (int j = 0; j < 8; j++) xv[j] = act_round(x, xv[j] * rstd[t] * gain[c * 8 + j]);
                 }
 #pragma unroll
                 for (int i = 0; i < MOED_EPB; i++)
@@ -636,28 +685,36 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
 }
 
 template <typename T, typename WT, int N>
-__device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const int* slot_cnt, const int* slot_tok,
-                                const WT* sh_gate, const WT* sh_up, int n_routed, int n, int d, int inter) {
+__device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* gain, float eps,
+                                const u64* slot_ptr, const int* slot_cnt, const int* slot_tok, const WT* sh_gate,
+                                const WT* sh_up, int n_routed, int n_shared, int n, int d, int inter) {
     constexpr int R = MOED_R;
     constexpr int CE = MoeChunk<WT>::CE;
     __shared__ float red[MOED_THREADS / 32][2 * R * N];
+    __shared__ float rstd[MOED_MAXN];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int s = blockIdx.x;
+    // the shared slots first in the grid, so they are the first to be resident
+    const bool shared_slot = (int)blockIdx.x < n_shared;
+    const int s = shared_slot ? n_routed + blockIdx.x : blockIdx.x - n_shared;
     const int r0 = blockIdx.y * R;
     const int nr = min(R, inter - r0);
     pdl_launch_dependents();
-    const bool shared_slot = s >= n_routed;
     const WT* wg;
     const WT* wu;
     int cnt;
     int tok[N];
     if (shared_slot) {
+        // The shared experts do not wait for the routing: it lets this kernel in only once
+        // the layer's input is written (see moe_route_dec), and they read that input through
+        // L2, normalizing it themselves (the same sums and rounding as the routing kernel)
+        // when the RMSNorm is folded into the routing (`gain`; `src` its input).
         const long q = s - n_routed;
         wg = sh_gate + (q * inter + r0) * (long)d;
         wu = sh_up + (q * inter + r0) * (long)d;
         cnt = n;
 #pragma unroll
         for (int i = 0; i < N; i++) tok[i] = i;
+        if (gain != nullptr) moe_rstd(src, n, d, eps, true, &red[0][0], 2 * R * N, rstd);
     } else {
         pdl_wait();
         cnt = slot_cnt[s];
@@ -667,7 +724,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const 
 #pragma unroll
         for (int i = 0; i < N; i++) tok[i] = i < cnt ? slot_tok[s * MOED_MAXN + i] : 0;
     }
-    bool waited = !shared_slot;
+    const bool norm = shared_slot && gain != nullptr;
     float g[R][N], u[R][N];
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -685,15 +742,19 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const 
                 rg[i] = ru[i] = make_uint4(0, 0, 0, 0);
             }
         }
-        if (!waited) {
-            pdl_wait();
-            waited = true;
-        }
 #pragma unroll
         for (int t = 0; t < N; t++) {
             if (t < cnt) {
                 float xv[CE];
-                moe_act_load(x + (long)tok[t] * d + (long)c * CE, xv, CE);
+                if (shared_slot) {
+                    const long o = (long)tok[t] * d + (long)c * CE;
+                    moe_load_cg((norm ? src : x) + o, xv, CE);
+                    if (norm)
+#pragma unroll
+                        for (int j = 0; j < CE; j++) xv[j] = act_round(x, xv[j] * rstd[t] * gain[c * CE + j]);
+                } else {
+                    moe_act_load(x + (long)tok[t] * d + (long)c * CE, xv, CE);
+                }
 #pragma unroll
                 for (int i = 0; i < R; i++) {
                     float wf[CE];
@@ -707,7 +768,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const u64* slot_ptr, const 
             }
         }
     }
-    if (!waited) pdl_wait();
+    if (norm) __syncthreads();  // red held the norm's sums
 #pragma unroll
     for (int i = 0; i < R; i++)
 #pragma unroll
@@ -880,17 +941,19 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
             for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += red[w][tid];
             const long o = (long)t * d + r0 + i;
             act_store(out, o, v);
-            if (res != nullptr) act_store(res, o, act_load(res, o) + moe_round(out, v));
+            if (res != nullptr) act_store(res, o, act_load(res, o) + act_round(out, v));
         }
     }
 }
 
 #define MOE_DEC_WRAPPERS(T, S, WT, WS, N)                                                                            \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
-        moe_gu_dec_##WS##_n##N##_##S(T* hout, const T* x, const u64* slot_ptr, const int* slot_cnt,                 \
-                                     const int* slot_tok, const WT* sh_gate, const WT* sh_up, int n_routed, int n,  \
-                                     int d, int inter) {                                                             \
-        moe_gu_dec_impl<T, WT, N>(hout, x, slot_ptr, slot_cnt, slot_tok, sh_gate, sh_up, n_routed, n, d, inter);     \
+        moe_gu_dec_##WS##_n##N##_##S(T* hout, const T* x, const T* src, const float* gain, float eps,              \
+                                     const u64* slot_ptr, const int* slot_cnt, const int* slot_tok,                 \
+                                     const WT* sh_gate, const WT* sh_up, int n_routed, int n_shared, int n, int d,  \
+                                     int inter) {                                                                    \
+        moe_gu_dec_impl<T, WT, N>(hout, x, src, gain, eps, slot_ptr, slot_cnt, slot_tok, sh_gate, sh_up, n_routed,  \
+                                  n_shared, n, d, inter);                                                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
         moe_down_dec_##WS##_n##N##_##S(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,        \

@@ -43,6 +43,16 @@ mod gpu {
 
     /// A backend with the MoE decode kernels and the `ds2` kernel variants on or off.
     fn cuda_opts(act: Option<Act>, fuse_moe: bool, ds2: bool) -> Option<CudaBackend> {
+        cuda_mla(act, fuse_moe, ds2, true)
+    }
+
+    /// ... and the fused MLA decode kernel on or off.
+    fn cuda_mla(
+        act: Option<Act>,
+        fuse_moe: bool,
+        ds2: bool,
+        fuse_mla: bool,
+    ) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
             eprintln!("skipped: {why}");
             return None;
@@ -51,6 +61,7 @@ mod gpu {
             act,
             fuse_moe,
             ds2: if ds2 { Ds2::ALL } else { Ds2::NONE },
+            fuse_mla,
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
@@ -192,6 +203,11 @@ mod gpu {
             v: 40,
             latent,
         };
+        mla_case_of(rng, dims)
+    }
+
+    fn mla_case_of(rng: &mut Rng, dims: MlaDims) -> MlaCase {
+        let (heads, latent) = (dims.heads, dims.latent);
         let p = MlaParams {
             dims,
             scale: 0.2,
@@ -274,16 +290,36 @@ mod gpu {
         for act in [Act::F32, Act::Bf16] {
             let Some(be) = cuda(Some(act)) else { return };
             let old = cuda_opts(Some(act), true, false).expect("a second backend");
+            let unfused = cuda_mla(Some(act), true, true, false).expect("a third backend");
             let mut rng = Rng::fresh("mla");
-            // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths;
-            // the ds2 kernels (the default) and the earlier ones
-            for (heads, latent) in [(5, 40), (21, 72)] {
-                let c = mla_case(&mut rng, heads, latent);
+            // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths
+            // (the three-launch kernels only); latents of 64 and 32, whose decode steps take
+            // the fused kernel (clusters of 8 and 4), and Moonlight's head shape; the ds2
+            // kernels (the default), the earlier ones, and the three launches instead of the
+            // fused one
+            let moon = MlaDims {
+                heads: 16,
+                nope: 128,
+                rope: 64,
+                v: 128,
+                latent: 512,
+            };
+            let shapes = [(5, 40), (21, 72), (5, 64), (3, 32), (16, 512)];
+            for (heads, latent) in shapes {
+                let c = if latent == 512 {
+                    mla_case_of(&mut rng, moon)
+                } else {
+                    mla_case(&mut rng, heads, latent)
+                };
                 let cpu = CpuBackend::new(2);
                 let a = run_mla(&cpu, &c, MlaPath::Absorbed);
                 let e = run_mla(&cpu, &c, MlaPath::Expanded);
                 let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
-                for (b, which) in [(&be, "ds2"), (&old, "earlier kernels")] {
+                for (b, which) in [
+                    (&be, "ds2"),
+                    (&old, "earlier kernels"),
+                    (&unfused, "not fused"),
+                ] {
                     let g = run_mla(b, &c, MlaPath::Absorbed);
                     for (i, what) in ["prefill", "decode"].iter().enumerate() {
                         let width = heads * c.p.dims.v;

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::device::DevMem;
 use super::ops::{check, launch};
+use super::queue::Op;
 use super::step::CudaStep;
 use super::weights::WType;
 use super::{Act, CudaBuf, CudaWeight, Inner};
@@ -96,6 +97,45 @@ pub fn splits_for(blocks: usize, max_ctx: usize) -> usize {
     let by_ctx = max_ctx.next_power_of_two().div_ceil(16);
     by_gpu.min(by_ctx).clamp(1, 64)
 }
+
+/// Blocks of a cluster of the fused decode kernel (`mla_dec1`), or `None` where the step
+/// keeps the three launches. It takes steps of one token a sequence on devices with clusters,
+/// of at most [`FUSED_MAX_BLOCKS`] blocks and contexts of at most [`FUSED_MAX_CTX`], and shapes
+/// it was written for: each block absorbs r / C latent columns (a multiple of 8, at most 64,
+/// in 1, 2, 4 or 8 chunks of 8) and projects v / C rows (at most 16) of at most 512 columns,
+/// with at most 1,024 8-value chunks of the absorption's weights a block, rope values at most
+/// 128, and cache rows of whole 16-byte units.
+fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize> {
+    let d = p.dims;
+    let (r, dr) = (d.latent, d.rope);
+    if !(inner.opts.fuse && inner.opts.fuse_mla && inner.module.clusters)
+        || step.max_len != 1
+        || step.n_tokens > 65_535
+        || step.max_ctx > FUSED_MAX_CTX
+        || r > 512
+        || dr > 128
+        || ((r + dr) * inner.act().size()) % 16 != 0
+    {
+        return None;
+    }
+    let c = [8usize, 4, 2].into_iter().find(|&c| {
+        let rc = r / c;
+        r % c == 0
+            && rc % 8 == 0
+            && rc <= 64
+            && [1, 2, 4, 8].contains(&(rc / 8))
+            && d.nope * (rc / 8) <= 1024
+            && d.v % c == 0
+            && d.v / c <= 16
+    })?;
+    (step.n_tokens * d.heads * c <= FUSED_MAX_BLOCKS).then_some(c)
+}
+
+/// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs).
+const FUSED_MAX_BLOCKS: usize = 4 * 132;
+/// Longest context (its bucket) the fused decode kernel takes: it walks a split's keys one
+/// 32-key tile (16 for f32 caches) at a time without double buffering.
+const FUSED_MAX_CTX: usize = 1024;
 
 fn weight_index(w: &CudaWeight, what: &str) -> Result<usize> {
     match w.wtype {
@@ -187,6 +227,39 @@ pub(crate) fn attention(
         inner.drop_zeroing(out.ptr(), out.len * inner.act().size());
     }
     let f = |v: f32| v.to_bits() as u64;
+    if let Some(c) = fused_cluster(inner, step, p) {
+        inner.push(Op::Cluster {
+            kernel: k.mla_dec1[wi],
+            grid: [c as u32, heads as u32, n as u32],
+            block: 256,
+            cluster: c as u32,
+            args: vec![
+                out.ptr(),
+                q.ptr(),
+                kva.ptr(),
+                w.kv_b.ptr(),
+                cache,
+                w.kv_a_norm.ptr(),
+                w.inv_freq.ptr(),
+                step.slots(),
+                step.positions(),
+                step.tok_seq(),
+                step.tables(),
+                step.width as u64,
+                step.block_size as u64,
+                heads as u64,
+                d.nope as u64,
+                dr as u64,
+                d.v as u64,
+                r as u64,
+                f(p.eps),
+                f(p.rope_scale),
+                p.interleaved as u64,
+                f(p.scale * std::f32::consts::LOG2_E),
+            ],
+        });
+        return Ok(());
+    }
     let qf = inner.scratch(n * heads * width, 4)?;
     // ds2: one more block column, which writes the cache rows
     let (absorb, extra) = if inner.opts.ds2.absorb {

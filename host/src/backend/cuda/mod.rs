@@ -123,6 +123,10 @@ pub struct CudaOptions {
     pub fuse_moe: bool,
     /// Which of the later DeepSeek decode kernel variants run (`DEEPINFER_CUDA_DS2`).
     pub ds2: Ds2,
+    /// Decode steps (one token a sequence, a few tokens) run MLA in one cluster launch
+    /// (`mla_dec1`: query absorption, the cache write, attention, the split merge and the V
+    /// up-projection) instead of three (sm_90+).
+    pub fuse_mla: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -207,6 +211,7 @@ impl Default for CudaOptions {
             gemt_splits: 4,
             fuse_moe: true,
             ds2: Ds2::ALL,
+            fuse_mla: true,
         }
     }
 }
@@ -216,7 +221,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
-    /// `DEEPINFER_CUDA_FUSE_MOE` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
+    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
@@ -258,6 +263,7 @@ impl CudaOptions {
             };
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
+        o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;
         }

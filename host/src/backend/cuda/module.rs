@@ -317,6 +317,9 @@ pub struct DeepseekKernels {
     pub mla_v_up: [KernelId; 2],
     /// `mla_v_up` loading the split outputs with their (max, sum) pairs (`CudaOptions::ds2`, `Ds2`).
     pub mla_v_up2: [KernelId; 2],
+    /// The three MLA kernels in one cluster launch for decode steps of one token a sequence
+    /// (`CudaOptions::fuse_mla`), by weight type.
+    pub mla_dec1: [KernelId; 2],
     pub moe_route: KernelId,
     /// By weight type and assignments per pass (1, 8).
     pub moe_gateup: [[KernelId; 2]; 2],
@@ -493,6 +496,7 @@ impl Module {
                 mla_decode2: n("mla_decode2")?,
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
                 mla_v_up2: [n("mla_v_up2_wf32")?, n("mla_v_up2_wbf16")?],
+                mla_dec1: [n("mla_dec1_wf32")?, n("mla_dec1_wbf16")?],
                 moe_route: n("moe_route")?,
                 moe_gateup: [
                     [n("moe_gateup_wf32_t1")?, n("moe_gateup_wf32_t8")?],
@@ -616,6 +620,8 @@ mod tests {
             "rms_norm_f32",
             "mla_decode_bf16",
             "mla_decode2_bf16",
+            "mla_dec1_wbf16_bf16",
+            "mla_dec1_wf32_f32",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
             "gemt_t24",
