@@ -660,6 +660,7 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
 #define MLA1_VR 2                        // V rows a warp
 #define MLA1_VC 2                        // 8-value chunks of a V row a lane (r <= 512)
 #define MLA1_MAXDR 128                   // most rope values
+#define MLA1_MAXC 8                      // most blocks a cluster
 
 // Eight consecutive weights, loaded raw (so the load can go out early) and converted later.
 template <typename WT>
@@ -718,7 +719,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     __shared__ float qn[MLA_MAXNOPE];
     __shared__ float nrow[MLA_MAXW];               // the token's own cache row
     __shared__ float cs[MLA1_MAXDR / 2], sn[MLA1_MAXDR / 2];
-    __shared__ float sc[KT];
+    __shared__ float sc[KT], ps[KT];
     __shared__ float ml[2];
     __shared__ float red[32];
     const int b = blockIdx.x, C = gridDim.x, h = blockIdx.y, t = blockIdx.z;
@@ -754,39 +755,59 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         cs[tid] = (float)cos((double)ang) * rs;
         sn[tid] = (float)sin((double)ang) * rs;
     }
+    // the owner's norm gains (2 columns a thread: r <= 512)
+    float g2[2] = {0.0f, 0.0f};
+    if (owner)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (tid + i * MLA1_THREADS < r) g2[i] = gain[tid + i * MLA1_THREADS];
     if (k0 < k1) mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
     pdl_wait();
 
-    // The nope query, and the rope query rotated (every block keeps the whole rope part).
+    // The step's inputs, loaded together: the nope query, the rope query and, in the owner,
+    // the token's kv_a row.
     const T* qh = q + ((long)t * heads + h) * qk;
-    for (int j = tid; j < nope; j += blockDim.x) qn[j] = act_load(qh, j);
-    __syncthreads();  // cs, sn
-    for (int p = tid; p < half; p += blockDim.x) {
-        const int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
-        const float x = act_load(qh, nope + ia), y = act_load(qh, nope + ib);
-        qf[r + ia] = (x * cs[p] - y * sn[p]) * scale_log2;
-        qf[r + ib] = (y * cs[p] + x * sn[p]) * scale_log2;
+    const T* row = kva + (long)t * W;
+    float xn = 0.0f, qx = 0.0f, qy = 0.0f, kx[2] = {0.0f, 0.0f}, ky = 0.0f, kz = 0.0f;
+    const int ia = interleaved ? 2 * tid : tid, ib = interleaved ? 2 * tid + 1 : tid + half;
+    if (tid < nope) xn = act_load(qh, tid);
+    if (tid < half) {
+        qx = act_load(qh, nope + ia);
+        qy = act_load(qh, nope + ib);
+    }
+    if (owner) {
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (tid + i * MLA1_THREADS < r) kx[i] = act_load(row, tid + i * MLA1_THREADS);
+        if (tid < half) {
+            ky = act_load(row, r + ia);
+            kz = act_load(row, r + ib);
+        }
+    }
+    if (tid < nope) qn[tid] = xn;
+    for (int j = tid + MLA1_THREADS; j < nope; j += MLA1_THREADS) qn[j] = act_load(qh, j);
+    __syncthreads();  // qn, cs, sn
+    if (tid < half) {
+        qf[r + ia] = (qx * cs[tid] - qy * sn[tid]) * scale_log2;
+        qf[r + ib] = (qy * cs[tid] + qx * sn[tid]) * scale_log2;
     }
     // The token's own cache row, rounded as the cache stores it.
     if (owner) {
-        const T* row = kva + (long)t * W;
-        float ss = 0.0f;
-        for (int c = tid; c < r; c += blockDim.x) {
-            const float x = act_load(row, c);
-            ss = fmaf(x, x, ss);
-        }
-        ss = block_sum(ss, red);
+        const float ss = block_sum(fmaf(kx[0], kx[0], kx[1] * kx[1]), red);
         const float inv = 1.0f / sqrtf(ss / (float)r + eps);
         T* dst = cache + slots[t] * (long)W;
-        for (int c = tid; c < r; c += blockDim.x) {
-            const float x = act_round(cache, gain[c] * (act_load(row, c) * inv));
-            nrow[c] = x;
-            if (h == 0) act_store(dst, c, x);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int c = tid + i * MLA1_THREADS;
+            if (c < r) {
+                const float x = act_round(cache, g2[i] * (kx[i] * inv));
+                nrow[c] = x;
+                if (h == 0) act_store(dst, c, x);
+            }
         }
-        for (int p = tid; p < half; p += blockDim.x) {
-            const int ia = interleaved ? 2 * p : p, ib = interleaved ? 2 * p + 1 : p + half;
-            const float x = act_load(row, r + ia), y = act_load(row, r + ib);
-            const float xa = act_round(cache, x * cs[p] - y * sn[p]), xb = act_round(cache, y * cs[p] + x * sn[p]);
+        if (tid < half) {
+            const float xa = act_round(cache, ky * cs[tid] - kz * sn[tid]);
+            const float xb = act_round(cache, kz * cs[tid] + ky * sn[tid]);
             nrow[r + ia] = xa;
             nrow[r + ib] = xb;
             if (h == 0) {
@@ -821,15 +842,27 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         __syncthreads();
         if (tid < rc) {
             float s = 0.0f;
+#pragma unroll
             for (int w8 = 0; w8 < MLA_WARPS; w8++) s += buf[w8 * MLA1_MAXRC + tid];
             ql[tid] = s;
         }
     }
     cluster_sync();
-    for (int c = tid; c < r; c += blockDim.x) qf[c] = cluster_ld(&ql[c % rc], c / rc) * scale_log2;
+    {
+        float v2[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int c = tid + i * MLA1_THREADS;
+            v2[i] = c < r ? cluster_ld(&ql[c % rc], c / rc) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (tid + i * MLA1_THREADS < r) qf[tid + i * MLA1_THREADS] = v2[i] * scale_log2;
+    }
 
-    // This split's keys, a tile at a time (online softmax); thread tid owns latent columns
-    // 2 tid and 2 tid + 1.
+    // This split's keys, a tile at a time (online softmax). Scores: warp w takes keys w + 8 i
+    // (KT / 8 of them together); outputs: thread tid owns latent columns 2 tid, 2 tid + 1.
+    constexpr int KW = KT / MLA_WARPS;
     const int c0 = 2 * tid;
     float m = NEG_INF, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
     for (int j0 = k0; j0 < k1; j0 += KT) {
@@ -842,29 +875,45 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         if (pos >= j0 && pos < j0 + nk)
             for (int c = tid; c < W; c += blockDim.x) act_store(&kt[pos - j0][0], c, nrow[c]);
         __syncthreads();
-        for (int kk = warp; kk < nk; kk += MLA_WARPS) {
-            float s = 0.0f;
-            for (int c = lane; c < W; c += 32) s = fmaf(qf[c], act_load(&kt[kk][0], c), s);
-            s = warp_sum(s);
-            if (lane == 0) sc[kk] = s;
+        {
+            float sk[KW];
+#pragma unroll
+            for (int i = 0; i < KW; i++) sk[i] = 0.0f;
+#pragma unroll 6
+            for (int c = lane; c < W; c += 32) {
+                const float x = qf[c];
+#pragma unroll
+                for (int i = 0; i < KW; i++) sk[i] = fmaf(x, act_load(&kt[warp + MLA_WARPS * i][0], c), sk[i]);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int i = 0; i < KW; i++) sk[i] += __shfl_xor_sync(0xffffffffu, sk[i], o);
+            if (lane == 0)
+#pragma unroll
+                for (int i = 0; i < KW; i++) sc[warp + MLA_WARPS * i] = sk[i];  // rows past nk: unused
         }
         __syncthreads();
+        // every thread takes the same maximum and sum in the same order; the weights once
         float mx = NEG_INF;
         for (int kk = 0; kk < nk; kk++) mx = fmaxf(mx, sc[kk]);
         const float mn = fmaxf(m, mx);
         const float corr = exp2f(m - mn);
-        float ps = 0.0f;
+        if (tid < nk) ps[tid] = exp2f(sc[tid] - mn);
+        __syncthreads();
+        float psum = 0.0f;
         o0 *= corr;
         o1 *= corr;
+#pragma unroll 8
         for (int kk = 0; kk < nk; kk++) {
-            const float p = exp2f(sc[kk] - mn);
-            ps += p;
+            const float p = ps[kk];
+            psum += p;
             if (c0 < r) {
                 o0 = fmaf(p, act_load(&kt[kk][0], c0), o0);
                 o1 = fmaf(p, act_load(&kt[kk][0], c0 + 1), o1);
             }
         }
-        l = l * corr + ps;
+        l = l * corr + psum;
         m = mn;
     }
     if (c0 < r) {
@@ -876,19 +925,33 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[1] = l;
     }
     cluster_sync();
-    // The splits merged in rank order; every block gets the whole latent output.
+    // The splits merged in rank order; every block gets the whole latent output. All the
+    // cluster's values are asked for before any is used.
     {
-        float mx = NEG_INF;
-        for (int s = 0; s < C; s++) mx = fmaxf(mx, cluster_ld(&ml[0], s));
-        float lsum = 0.0f, a0 = 0.0f, a1 = 0.0f;
-        for (int s = 0; s < C; s++) {
-            const float ms = cluster_ld(&ml[0], s);
-            const float f = ms == NEG_INF ? 0.0f : exp2f(ms - mx);
-            lsum += cluster_ld(&ml[1], s) * f;
-            if (c0 < r) {
-                a0 = fmaf(cluster_ld(&buf[c0], s), f, a0);
-                a1 = fmaf(cluster_ld(&buf[c0 + 1], s), f, a1);
+        float ms[MLA1_MAXC], ls[MLA1_MAXC], b0[MLA1_MAXC], b1[MLA1_MAXC];
+#pragma unroll
+        for (int s = 0; s < MLA1_MAXC; s++) {
+            ms[s] = NEG_INF;
+            ls[s] = b0[s] = b1[s] = 0.0f;
+            if (s < C) {
+                ms[s] = cluster_ld(&ml[0], s);
+                ls[s] = cluster_ld(&ml[1], s);
+                if (c0 < r) {
+                    b0[s] = cluster_ld(&buf[c0], s);
+                    b1[s] = cluster_ld(&buf[c0 + 1], s);
+                }
             }
+        }
+        float mx = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < MLA1_MAXC; s++) mx = fmaxf(mx, ms[s]);
+        float lsum = 0.0f, a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+        for (int s = 0; s < MLA1_MAXC; s++) {
+            const float f = ms[s] == NEG_INF ? 0.0f : exp2f(ms[s] - mx);
+            lsum += ls[s] * f;
+            a0 = fmaf(b0[s], f, a0);
+            a1 = fmaf(b1[s], f, a1);
         }
         const float inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
         if (c0 < r) {
@@ -896,9 +959,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             qf[c0 + 1] = a1 * inv_l;
         }
     }
-    // No block leaves (or reuses its shared memory) while the cluster may still read it;
-    // this also publishes qf within the block.
-    cluster_sync();
+    __syncthreads();
     // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
 #pragma unroll
     for (int a = 0; a < MLA1_VR; a++) {
@@ -918,6 +979,8 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         s = warp_sum(s);
         if (lane == 0) act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
     }
+    // No block leaves while the cluster may still read its shared memory.
+    cluster_sync();
 }
 
 #define MLA_WRAPPERS(T, S)                                                                                           \

@@ -79,8 +79,8 @@ __device__ __forceinline__ void moe_gate_cvt(int wt, const uint4* raw, float* o)
 
 // One warp scores a token's router logits sc[0, E) in place and picks its top K as the host's
 // `moe::route` (correction bias, group limit, normalization, scaling): experts chosen[j] with
-// weights wsel[j], written by lane 0. ch, taken, gs and gtaken are its scratch (shared memory).
-__device__ void moe_pick(float* sc, float* ch, unsigned char* taken, float* gs, unsigned char* gtaken, int* chosen,
+// weights wsel[j], written by lane 0. ch, gs and gtaken are its scratch (shared memory).
+__device__ void moe_pick(float* sc, float* ch, float* gs, unsigned char* gtaken, int* chosen,
                          float* wsel, const float* bias, int E, int K, int score, int n_group, int topk_group,
                          int norm, float scaling) {
     const int lane = threadIdx.x & 31;
@@ -101,9 +101,10 @@ __device__ void moe_pick(float* sc, float* ch, unsigned char* taken, float* gs, 
     } else {
         for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-sc[e]));
     }
+    // (NaN ranks as -inf, so the ranks below are a permutation: every chosen[j] is written once)
     for (int e = lane; e < E; e += 32) {
-        ch[e] = sc[e] + (bias != nullptr ? bias[e] : 0.0f);
-        taken[e] = 0;
+        const float c = sc[e] + (bias != nullptr ? bias[e] : 0.0f);
+        ch[e] = c != c ? NEG_INF : c;
     }
     __syncwarp();
     if (n_group > 1 && topk_group < n_group) {
@@ -136,14 +137,18 @@ __device__ void moe_pick(float* sc, float* ch, unsigned char* taken, float* gs, 
             if (!gtaken[e / per]) ch[e] = NEG_INF;
         __syncwarp();
     }
-    for (int j = 0; j < K; j++) {
-        const int e = moe_warp_argmax(ch, taken, E);
-        if (lane == 0) {
-            taken[e] = 1;
-            chosen[j] = e;
+    // The top K in one pass: expert e's rank is the number of experts ahead of it (a larger
+    // value, or the same value at a lower index), the order a repeated argmax picks them in.
+    for (int e = lane; e < E; e += 32) {
+        const float v = ch[e];
+        int rank = 0;
+        for (int o = 0; o < E; o++) {
+            const float w = ch[o];
+            rank += (w > v) || (w == v && o < e);
         }
-        __syncwarp();
+        if (rank < K) chosen[rank] = e;
     }
+    __syncwarp();
     if (lane == 0) {
         float sum = 0.0f;
         for (int j = 0; j < K; j++) sum += sc[chosen[j]];
@@ -163,7 +168,6 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
                                int norm, float scaling) {
     __shared__ float sc[MOE_MAX_EXPERTS];
     __shared__ float ch[MOE_MAX_EXPERTS];
-    __shared__ unsigned char taken[MOE_MAX_EXPERTS];
     __shared__ float gs[64];
     __shared__ unsigned char gtaken[64];
     __shared__ int chosen[64];
@@ -194,7 +198,7 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
     }
     __syncthreads();
     if (warp != 0) return;
-    moe_pick(sc, ch, taken, gs, gtaken, chosen, wsel, bias, E, K, score, n_group, topk_group, norm, scaling);
+    moe_pick(sc, ch, gs, gtaken, chosen, wsel, bias, E, K, score, n_group, topk_group, norm, scaling);
     __syncwarp();
     if (lane == 0) {
         for (int j = 0; j < K; j++) {
@@ -502,36 +506,39 @@ __device__ void moe_rstd(const T* x, int n, int d, float eps, bool cg, float* re
     __syncthreads();
 }
 
-template <typename T>
+// EPB experts a block, N tokens at most. CL: the blocks form one thread-block cluster and
+// block 0 gathers the logits from the others' shared memory, instead of the last block to
+// arrive reading them back from global memory after a fence and an arrival counter.
+template <typename T, int EPB, int N, bool CL>
 __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok,
                                    float* slot_wt, unsigned long long* totals, unsigned* last, T* h, const T* x,
                                    const float* gain, float eps, const u8* gate, int gate_wt, long gate_row_bytes,
                                    const float* bias, const u64* ptrs, int d, int E, int K, int n, int score,
                                    int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {
-    __shared__ float red[MOED_THREADS / 32][MOED_EPB * MOED_MAXN];
+    __shared__ float red[MOED_THREADS / 32][EPB * MOED_MAXN];
+    __shared__ float lg[CL ? EPB * MOED_MAXN : 1];
     __shared__ float bias_s[MOED_MAXE];
     __shared__ float rstd[MOED_MAXN];
     __shared__ int is_last;
     __shared__ float sc[MOED_MAXN][MOED_MAXE];
     __shared__ float ch[MOED_MAXN][MOED_MAXE];
-    __shared__ unsigned char taken[MOED_MAXN][MOED_MAXE];
     __shared__ float gs[MOED_MAXN][64];
     __shared__ unsigned char gtaken[MOED_MAXN][64];
     __shared__ int chosen[MOED_MAXN][64];
     __shared__ float wsel[MOED_MAXN][64];
     __shared__ int wcount[MOED_THREADS / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int e0 = blockIdx.x * MOED_EPB;
-    const int ne = min(MOED_EPB, E - e0);
+    const int e0 = blockIdx.x * EPB;
+    const int ne = min(EPB, E - e0);
     const int nch = d >> 3;
     const int wb = gate_wt == WT_F32 ? 4 : 2;
     // The dependents are let in only after the wait below: moe_gu_dec's shared slots then
     // read the layer's input without waiting for this kernel.
     // The first chunk of each gate row is no earlier kernel's output: loaded before the wait
     // (raw), the rest on its way to L2.
-    uint4 graw[MOED_EPB][2];
+    uint4 graw[EPB][2];
 #pragma unroll
-    for (int i = 0; i < MOED_EPB; i++) {
+    for (int i = 0; i < EPB; i++) {
         graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
         if (i < ne && tid < nch) {
             const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
@@ -543,6 +550,10 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
     // early: the correction bias (no kernel writes it) and the experts' weight addresses are
     // loaded before the wait, and the last block scores from a shared copy of the bias
+    // the norm's gains of this thread's first chunk (no kernel writes them)
+    float g8[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) g8[j] = gain != nullptr && tid < nch ? gain[tid * 8 + j] : 0.0f;
     u64 my_ptr[3] = {0, 0, 0};
     float my_bias = 0.0f;
     if (early && tid < E) {
@@ -564,7 +575,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         my_total = totals[tid];
     }
     if (gain != nullptr) {
-        moe_rstd(x, n, d, eps, false, &red[0][0], MOED_EPB * MOED_MAXN, rstd);
+        moe_rstd(x, n, d, eps, false, &red[0][0], EPB * MOED_MAXN, rstd);
         // this block's slice of the normalized rows, as the RMSNorm kernel writes them
         for (long i = (long)blockIdx.x * blockDim.x + tid; i < (long)n * nch; i += (long)gridDim.x * blockDim.x) {
             const int t = (int)(i / nch), c = (int)(i % nch);
@@ -574,15 +585,15 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
             for (int j = 0; j < 8; j++) act_store(h, (long)t * d + c * 8 + j, v[j] * rstd[t] * gain[c * 8 + j]);
         }
     }
-    float acc[MOED_EPB][MOED_MAXN];
+    float acc[EPB][N];
 #pragma unroll
-    for (int i = 0; i < MOED_EPB; i++)
+    for (int i = 0; i < EPB; i++)
 #pragma unroll
-        for (int t = 0; t < MOED_MAXN; t++) acc[i][t] = 0.0f;
+        for (int t = 0; t < N; t++) acc[i][t] = 0.0f;
     for (int c = tid; c < nch; c += blockDim.x) {
-        float wv[MOED_EPB][8];
+        float wv[EPB][8];
 #pragma unroll
-        for (int i = 0; i < MOED_EPB; i++) {
+        for (int i = 0; i < EPB; i++) {
             if (i < ne) {
                 if (c == tid) {
                     moe_gate_cvt(gate_wt, graw[i], wv[i]);
@@ -592,16 +603,17 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
             }
         }
 #pragma unroll
-        for (int t = 0; t < MOED_MAXN; t++) {
+        for (int t = 0; t < N; t++) {
             if (t < n) {
                 float xv[8];
                 act_load8(x + (long)t * d + c * 8, xv);
                 if (gain != nullptr) {
 #pragma unroll
-                    for (int j = 0; j < 8; j++) xv[j] = act_round(x, xv[j] * rstd[t] * gain[c * 8 + j]);
+                    for (int j = 0; j < 8; j++)
+                        xv[j] = act_round(x, xv[j] * rstd[t] * (c == tid ? g8[j] : gain[c * 8 + j]));
                 }
 #pragma unroll
-                for (int i = 0; i < MOED_EPB; i++)
+                for (int i = 0; i < EPB; i++)
                     if (i < ne)
 #pragma unroll
                         for (int j = 0; j < 8; j++) acc[i][t] = fmaf(xv[j], wv[i][j], acc[i][t]);
@@ -610,30 +622,45 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     }
     __syncthreads();  // red is reused
 #pragma unroll
-    for (int i = 0; i < MOED_EPB; i++)
+    for (int i = 0; i < EPB; i++)
 #pragma unroll
-        for (int t = 0; t < MOED_MAXN; t++) {
+        for (int t = 0; t < N; t++) {
             if (i < ne && t < n) {
                 const float s = warp_sum(acc[i][t]);
                 if (lane == 0) red[warp][i * MOED_MAXN + t] = s;
             }
         }
     __syncthreads();
-    if (tid < MOED_EPB * MOED_MAXN) {
+    if (tid < EPB * MOED_MAXN) {
         const int i = tid / MOED_MAXN, t = tid % MOED_MAXN;
         if (i < ne && t < n) {
             float s = 0.0f;
             for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += red[w][tid];
-            logits[(long)t * E + e0 + i] = s;
+            if (CL) lg[tid] = s;
+            else logits[(long)t * E + e0 + i] = s;
         }
     }
-    // The last block to arrive routes every token.
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (CL) {
+        // Block 0 routes every token; the others leave once it has read their logits.
+        cluster_sync();
+        if (blockIdx.x != 0) {
+            cluster_sync();
+            return;
+        }
+        if (warp < n)
+            for (int e = lane; e < E; e += 32) sc[warp][e] = cluster_ld(&lg[(e % EPB) * MOED_MAXN + warp], e / EPB);
+        cluster_sync();
+    } else {
+        // The last block to arrive routes every token.
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (warp < n)
+            for (int e = lane; e < E; e += 32) sc[warp][e] = ld_cg(logits + (long)warp * E + e);
+    }
     const float* bias_p = bias;
     if (early && bias != nullptr) {
         if (tid < E) bias_s[tid] = my_bias;
@@ -641,10 +668,9 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         bias_p = bias_s;
     }
     if (warp < n) {
-        for (int e = lane; e < E; e += 32) sc[warp][e] = ld_cg(logits + (long)warp * E + e);
         __syncwarp();
-        moe_pick(sc[warp], ch[warp], taken[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias_p, E, K,
-                 score, n_group, topk_group, norm, scaling);
+        moe_pick(sc[warp], ch[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias_p, E, K, score, n_group,
+                 topk_group, norm, scaling);
     }
     __syncthreads();
     // Tokens per expert, each selected expert's slot (its rank among the selected ones).
@@ -687,14 +713,16 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
 template <typename T, typename WT, int N>
 __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* gain, float eps,
                                 const u64* slot_ptr, const int* slot_cnt, const int* slot_tok, const WT* sh_gate,
-                                const WT* sh_up, int n_routed, int n_shared, int n, int d, int inter) {
+                                const WT* sh_up, int n_routed, int n_shared, int n, int d, int inter, int early) {
     constexpr int R = MOED_R;
     constexpr int CE = MoeChunk<WT>::CE;
     __shared__ float red[MOED_THREADS / 32][2 * R * N];
     __shared__ float rstd[MOED_MAXN];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    // the shared slots first in the grid, so they are the first to be resident
+    // the shared slots first in the grid, so they are the first to be resident; `early`
+    // (`DEEPINFER_CUDA_DS2` shared): they do not wait for the routing
     const bool shared_slot = (int)blockIdx.x < n_shared;
+    const bool pre = shared_slot && early;
     const int s = shared_slot ? n_routed + blockIdx.x : blockIdx.x - n_shared;
     const int r0 = blockIdx.y * R;
     const int nr = min(R, inter - r0);
@@ -714,7 +742,8 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
         cnt = n;
 #pragma unroll
         for (int i = 0; i < N; i++) tok[i] = i;
-        if (gain != nullptr) moe_rstd(src, n, d, eps, true, &red[0][0], 2 * R * N, rstd);
+        if (!early) pdl_wait();
+        if (pre && gain != nullptr) moe_rstd(src, n, d, eps, true, &red[0][0], 2 * R * N, rstd);
     } else {
         pdl_wait();
         cnt = slot_cnt[s];
@@ -724,7 +753,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
 #pragma unroll
         for (int i = 0; i < N; i++) tok[i] = i < cnt ? slot_tok[s * MOED_MAXN + i] : 0;
     }
-    const bool norm = shared_slot && gain != nullptr;
+    const bool norm = pre && gain != nullptr;
     float g[R][N], u[R][N];
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -746,7 +775,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
         for (int t = 0; t < N; t++) {
             if (t < cnt) {
                 float xv[CE];
-                if (shared_slot) {
+                if (pre) {
                     const long o = (long)tok[t] * d + (long)c * CE;
                     moe_load_cg((norm ? src : x) + o, xv, CE);
                     if (norm)
@@ -951,9 +980,9 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
         moe_gu_dec_##WS##_n##N##_##S(T* hout, const T* x, const T* src, const float* gain, float eps,              \
                                      const u64* slot_ptr, const int* slot_cnt, const int* slot_tok,                 \
                                      const WT* sh_gate, const WT* sh_up, int n_routed, int n_shared, int n, int d,  \
-                                     int inter) {                                                                    \
+                                     int inter, int early) {                                                         \
         moe_gu_dec_impl<T, WT, N>(hout, x, src, gain, eps, slot_ptr, slot_cnt, slot_tok, sh_gate, sh_up, n_routed,  \
-                                  n_shared, n, d, inter);                                                            \
+                                  n_shared, n, d, inter, early);                                                     \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
         moe_down_dec_##WS##_n##N##_##S(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,        \
@@ -963,16 +992,33 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
                                     n, d, inter, early);                                                             \
     }
 
+// The cluster routing (moe_route_decc_n<N>): blocks of MOED_EPBC experts, one cluster.
+#define MOED_EPBC 8
+#define MOE_ROUTE_CL(T, S, N)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_decc_n##N##_##S(                            \
+        float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
+        unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
+        int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
+        int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {                             \
+        moe_route_dec_impl<T, MOED_EPBC, N, true>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt, totals,    \
+                                                  last, h, x, gain, eps, gate, gate_wt, gate_row_bytes, bias, ptrs, \
+                                                  d, E, K, n, score, n_group, topk_group, norm, scaling, n_slots,   \
+                                                  early);                                                            \
+    }
+
 #define MOE_DEC_ALL(T, S)                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_dec_##S(                                    \
         float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
         unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
         int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
         int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {                             \
-        moe_route_dec_impl<T>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt, totals, last, h, x, gain, eps, \
-                              gate, gate_wt, gate_row_bytes, bias, ptrs, d, E, K, n, score, n_group, topk_group,    \
-                              norm, scaling, n_slots, early);                                                        \
+        moe_route_dec_impl<T, MOED_EPB, MOED_MAXN, false>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt,      \
+                                                          totals, last, h, x, gain, eps, gate, gate_wt,             \
+                                                          gate_row_bytes, bias, ptrs, d, E, K, n, score, n_group,   \
+                                                          topk_group, norm, scaling, n_slots, early);               \
     }                                                                                                                \
+    MOE_ROUTE_CL(T, S, 1)                                                                                            \
+    MOE_ROUTE_CL(T, S, 8)                                                                                            \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 1)                                                                           \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 8)                                                                           \
     MOE_DEC_WRAPPERS(T, S, bf16_t, wbf16, 1)                                                                         \

@@ -364,6 +364,8 @@ mod tests {
         let d = Ds2::parse("decode, vup,route").unwrap();
         assert!(d.decode && d.v_up && d.route && !d.absorb && !d.down_prefetch);
         assert!(Ds2::parse("decode,fast").is_err());
+        let d = Ds2::parse("shared").unwrap();
+        assert!(d.shared && !d.decode && !d.down_prefetch);
     }
 
     #[test]

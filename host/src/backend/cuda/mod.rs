@@ -145,6 +145,12 @@ pub struct Ds2 {
     pub route: bool,
     /// `moe_down_dec` asking every later step's rows into L2 once their addresses are known.
     pub down_prefetch: bool,
+    /// `moe_gu_dec`'s shared experts not waiting for the routing (they normalize the layer's
+    /// input themselves).
+    pub shared: bool,
+    /// `moe_route_decc`: the routing of up to 64 experts as one thread-block cluster (block 0
+    /// gathers the logits from the others' shared memory; no fence and arrival counter).
+    pub cluster: bool,
 }
 
 impl Ds2 {
@@ -154,6 +160,8 @@ impl Ds2 {
         v_up: true,
         route: true,
         down_prefetch: true,
+        shared: true,
+        cluster: true,
     };
     pub const NONE: Ds2 = Ds2 {
         decode: false,
@@ -161,10 +169,12 @@ impl Ds2 {
         v_up: false,
         route: false,
         down_prefetch: false,
+        shared: false,
+        cluster: false,
     };
 
     /// `1` / `all` (and unset): all; `0` / `none`: none; else a comma-separated list of
-    /// `decode`, `absorb`, `vup`, `route`, `prefetch`: those only.
+    /// `decode`, `absorb`, `vup`, `route`, `prefetch`, `shared`, `cluster`: those only.
     pub fn parse(v: &str) -> Result<Ds2> {
         match v {
             "" | "1" | "all" => return Ok(Ds2::ALL),
@@ -179,9 +189,11 @@ impl Ds2 {
                 "vup" => d.v_up = true,
                 "route" => d.route = true,
                 "prefetch" => d.down_prefetch = true,
+                "shared" => d.shared = true,
+                "cluster" => d.cluster = true,
                 other => {
                     return Err(Error::BadConfig(format!(
-                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch \
+                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch, shared, cluster \
                          (or use 1 / all, 0 / none)"
                     )))
                 }

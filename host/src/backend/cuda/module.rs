@@ -331,6 +331,9 @@ pub struct DeepseekKernels {
     pub moe_route_dec: KernelId,
     pub moe_gu_dec: [[KernelId; 2]; 2],
     pub moe_down_dec: [[KernelId; 2]; 2],
+    /// `moe_route_dec` as one thread-block cluster (`Ds2::cluster`), for 1 and for up to 8
+    /// tokens.
+    pub moe_route_decc: [KernelId; 2],
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -508,6 +511,7 @@ impl Module {
                 ],
                 moe_combine: n("moe_combine")?,
                 moe_route_dec: n("moe_route_dec")?,
+                moe_route_decc: [n("moe_route_decc_n1")?, n("moe_route_decc_n8")?],
                 moe_gu_dec: [
                     [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
                     [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
@@ -627,6 +631,7 @@ mod tests {
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",
+            "moe_route_decc_n1_bf16",
             "moe_down_dec_wbf16_n8_bf16",
         ] {
             assert!(

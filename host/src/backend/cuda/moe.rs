@@ -30,6 +30,8 @@ const DEC_MAX_EXPERTS: usize = 256;
 const DEC_MAX_SLOTS: usize = 64;
 const DEC_MAX_SHARED: usize = 16;
 const DEC_EXPERTS_PER_BLOCK: usize = 4;
+/// Experts a block of the cluster routing (`MOED_EPBC`).
+const DEC_EXPERTS_PER_CLUSTER_BLOCK: usize = 8;
 const DEC_ROWS: usize = 4;
 const DEC_THREADS: u32 = 256;
 
@@ -408,42 +410,56 @@ fn forward_decode(
         ScoreFunc::SqrtSoftplus => 2,
     };
     let (src, gain, eps) = norm.unwrap_or((x.ptr(), 0, 0));
-    launch(
-        inner,
-        kern.moe_route_dec,
-        [e.div_ceil(DEC_EXPERTS_PER_BLOCK) as u32, 1, 1],
-        DEC_THREADS,
-        vec![
-            logits.ptr(),
-            st.counter.ptr,
-            slot_ptr.ptr(),
-            slot_cnt.ptr(),
-            slot_tok.ptr(),
-            slot_wt.ptr(),
-            st.totals.ptr,
-            st.last.ptr,
-            x.ptr(),
-            src,
-            gain,
-            eps,
-            gate.ptr(),
-            gate.wtype as u64,
-            gate.row_bytes as u64,
-            st.bias.as_ref().map_or(0, |b| b.ptr),
-            st.ptrs.ptr,
-            d as u64,
-            e as u64,
-            k as u64,
-            n as u64,
-            score,
-            cfg.n_group as u64,
-            cfg.topk_group as u64,
-            cfg.norm_topk_prob as u64,
-            cfg.scaling.to_bits() as u64,
-            slots as u64,
-            inner.opts.ds2.route as u64,
-        ],
-    );
+    // Up to 64 experts: one cluster of blocks of 8 experts (the portable cluster size).
+    let cluster = e.div_ceil(DEC_EXPERTS_PER_CLUSTER_BLOCK);
+    let clustered = inner.opts.ds2.cluster && inner.module.clusters && cluster <= 8;
+    let args = vec![
+        logits.ptr(),
+        st.counter.ptr,
+        slot_ptr.ptr(),
+        slot_cnt.ptr(),
+        slot_tok.ptr(),
+        slot_wt.ptr(),
+        st.totals.ptr,
+        st.last.ptr,
+        x.ptr(),
+        src,
+        gain,
+        eps,
+        gate.ptr(),
+        gate.wtype as u64,
+        gate.row_bytes as u64,
+        st.bias.as_ref().map_or(0, |b| b.ptr),
+        st.ptrs.ptr,
+        d as u64,
+        e as u64,
+        k as u64,
+        n as u64,
+        score,
+        cfg.n_group as u64,
+        cfg.topk_group as u64,
+        cfg.norm_topk_prob as u64,
+        cfg.scaling.to_bits() as u64,
+        slots as u64,
+        inner.opts.ds2.route as u64,
+    ];
+    if clustered {
+        inner.push(Op::Cluster {
+            kernel: kern.moe_route_decc[usize::from(n > 1)],
+            grid: [cluster as u32, 1, 1],
+            block: DEC_THREADS,
+            cluster: cluster as u32,
+            args,
+        });
+    } else {
+        launch(
+            inner,
+            kern.moe_route_dec,
+            [e.div_ceil(DEC_EXPERTS_PER_BLOCK) as u32, 1, 1],
+            DEC_THREADS,
+            args,
+        );
+    }
     let ti = usize::from(n > 1);
     let per_slot = if n > 1 { DEC_MAX_TOKENS } else { 1 };
     let h = inner.scratch((slots + n_shared) * per_slot * inter, act.size())?;
@@ -472,6 +488,7 @@ fn forward_decode(
             n as u64,
             d as u64,
             inter as u64,
+            inner.opts.ds2.shared as u64,
         ],
     );
     // threads: the 16-byte chunks of an expert row, at least 64, at most 256
