@@ -976,7 +976,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
 }
 
 #define MOE_DEC_WRAPPERS(T, S, WT, WS, N)                                                                            \
-    extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS, N == 1 ? 4 : 1)                                       \
         moe_gu_dec_##WS##_n##N##_##S(T* hout, const T* x, const T* src, const float* gain, float eps,              \
                                      const u64* slot_ptr, const int* slot_cnt, const int* slot_tok,                 \
                                      const WT* sh_gate, const WT* sh_up, int n_routed, int n_shared, int n, int d,  \
