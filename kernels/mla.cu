@@ -983,6 +983,17 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     cluster_sync();
 }
 
+#define MLA_DEC1_WRAPPER(T, S, WT, WS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_##WS##_##S(                                 \
+        T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain, const float* inv_freq,           \
+        const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
+        int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
+        float scale_log2) {                                                                                          \
+        pdl_launch_dependents();                                                                                     \
+        mla_dec1_impl<T, WT>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables, table_width,  \
+                             block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);                   \
+    }
+
 #define MLA_WRAPPERS(T, S)                                                                                           \
     extern "C" __global__ void mla_q_absorb_wf32_##S(                                                                \
         float* qf, const T* q, const float* w, int n, int heads, int nope, int dr, int v, int r, T* cache,           \
@@ -1047,24 +1058,8 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         pdl_launch_dependents();                                                                                     \
         mla_v_up_impl<T, float, true>(out, part_o, part_ml, w, heads, nope, v, r, splits);                           \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_wf32_##S(                                  \
-        T* out, const T* q, const T* kva, const float* w, T* cache, const float* gain, const float* inv_freq,        \
-        const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
-        int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
-        float scale_log2) {                                                                                          \
-        pdl_launch_dependents();                                                                                     \
-        mla_dec1_impl<T, float>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,           \
-                                table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);   \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_wbf16_##S(                                 \
-        T* out, const T* q, const T* kva, const bf16_t* w, T* cache, const float* gain, const float* inv_freq,       \
-        const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
-        int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
-        float scale_log2) {                                                                                          \
-        pdl_launch_dependents();                                                                                     \
-        mla_dec1_impl<T, bf16_t>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,          \
-                                 table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);  \
-    }                                                                                                                \
+    MLA_DEC1_WRAPPER(T, S, float, wf32)                                                                          \
+    MLA_DEC1_WRAPPER(T, S, bf16_t, wbf16)                                                                        \
     extern "C" __global__ void mla_v_up2_wbf16_##S(T* out, const float* part_o, const float* part_ml,                \
                                                    const bf16_t* w, int heads, int nope, int v, int r, int splits) { \
         pdl_launch_dependents();                                                                                     \

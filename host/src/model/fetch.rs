@@ -73,8 +73,14 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Serializes the fetches of one process: its threads (the tests of one binary, say) would
+/// otherwise share the work folder named after the process and remove each other's download.
+static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The default model's path, fetching it first if the cache lacks it.
 pub fn default_model(log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    // A thread that waited here finds the file the first one fetched (and its stamp).
+    let _one_at_a_time = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let dir = cache_dir().join("models");
     let path = dir.join(FILE_NAME);
     let stamp = dir.join(format!("{FILE_NAME}.sha256"));
