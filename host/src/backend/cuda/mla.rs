@@ -114,18 +114,18 @@ fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize>
         || step.max_ctx > FUSED_MAX_CTX
         || r > 512
         || dr > 128
-        || ((r + dr) * inner.act().size()) % 16 != 0
+        || !((r + dr) * inner.act().size()).is_multiple_of(16)
     {
         return None;
     }
     let c = [8usize, 4, 2].into_iter().find(|&c| {
         let rc = r / c;
-        r % c == 0
-            && rc % 8 == 0
+        r.is_multiple_of(c)
+            && rc.is_multiple_of(8)
             && rc <= 64
             && [1, 2, 4, 8].contains(&(rc / 8))
             && d.nope * (rc / 8) <= 1024
-            && d.v % c == 0
+            && d.v.is_multiple_of(c)
             && d.v / c <= 16
     })?;
     (step.n_tokens * d.heads * c <= FUSED_MAX_BLOCKS).then_some(c)
