@@ -118,7 +118,15 @@ fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize>
     {
         return None;
     }
-    let c = [8usize, 4, 2].into_iter().find(|&c| {
+    let c = cluster_for(&d)?;
+    (step.n_tokens * d.heads * c <= FUSED_MAX_BLOCKS).then_some(c)
+}
+
+/// The blocks a head of the fused decode kernel splits into for these dimensions (8, 4 or 2,
+/// the largest that fits), or `None` for shapes it was not written for.
+fn cluster_for(d: &crate::model::mla::MlaDims) -> Option<usize> {
+    let r = d.latent;
+    [8usize, 4, 2].into_iter().find(|&c| {
         let rc = r / c;
         r.is_multiple_of(c)
             && rc.is_multiple_of(8)
@@ -127,8 +135,7 @@ fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize>
             && d.nope * (rc / 8) <= 1024
             && d.v.is_multiple_of(c)
             && d.v / c <= 16
-    })?;
-    (step.n_tokens * d.heads * c <= FUSED_MAX_BLOCKS).then_some(c)
+    })
 }
 
 /// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs).
@@ -355,7 +362,7 @@ pub(crate) fn attention(
 #[cfg(test)]
 mod tests {
     use super::super::Ds2;
-    use super::splits_for;
+    use super::{cluster_for, splits_for};
 
     #[test]
     fn ds2_switches_parse() {
@@ -367,6 +374,29 @@ mod tests {
         assert!(Ds2::parse("decode,fast").is_err());
         let d = Ds2::parse("shared").unwrap();
         assert!(d.shared && !d.decode && !d.down_prefetch);
+    }
+
+    #[test]
+    fn fused_kernel_cluster_sizes() {
+        use crate::model::mla::MlaDims;
+        let dims = |heads, nope, v, latent| MlaDims {
+            heads,
+            nope,
+            rope: 64,
+            v,
+            latent,
+        };
+        // DeepSeek-V3 / Moonlight heads: 8 blocks of 64 latent columns and 16 V rows
+        assert_eq!(cluster_for(&dims(16, 128, 128, 512)), Some(8));
+        // the tiny checkpoints: latent 32 in 4 blocks of one 8-value chunk
+        assert_eq!(cluster_for(&dims(4, 16, 16, 32)), Some(4));
+        assert_eq!(cluster_for(&dims(5, 24, 40, 64)), Some(8));
+        // odd latents, too many V rows a block, too many absorption chunks: the three launches
+        assert_eq!(cluster_for(&dims(5, 24, 40, 40)), None);
+        assert_eq!(cluster_for(&dims(5, 24, 40, 72)), None);
+        assert_eq!(cluster_for(&dims(16, 128, 256, 512)), None);
+        assert_eq!(cluster_for(&dims(16, 256, 128, 512)), None);
+        assert_eq!(cluster_for(&dims(16, 128, 128, 1024)), None);
     }
 
     #[test]
