@@ -419,14 +419,39 @@ impl<B: Backend> DeepseekV3<B> {
         be.gather_rows(x, d, rows, &mut sel)?;
         let mut normed = be.zeros(m * d)?;
         be.rms_norm(&sel, norm, self.cfg.rms_eps, &mut normed)?;
+        self.head(&normed, m)
+    }
+
+    /// The output head over `m` normed rows.
+    fn head(&self, normed: &B::Buf, m: usize) -> Result<B::Buf> {
+        let be = &self.backend;
         let mut logits = be.zeros(m * self.cfg.vocab)?;
         be.matmul(
             self.lm_head.as_ref().unwrap_or(&self.embed),
-            &normed,
+            normed,
             m,
             &mut logits,
         )?;
         Ok(logits)
+    }
+
+    /// Every row of `x` normed by `norm` (to the host), and the logits of `rows` from those
+    /// normed rows (each row normalized once).
+    fn logits_and_hidden(
+        &self,
+        x: &B::Buf,
+        n: usize,
+        norm: &B::Weight,
+        rows: &[usize],
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let be = &self.backend;
+        let d = self.cfg.hidden;
+        let mut normed = be.zeros(n * d)?;
+        be.rms_norm(x, norm, self.cfg.rms_eps, &mut normed)?;
+        let mut sel = be.zeros(rows.len() * d)?;
+        be.gather_rows(&normed, d, rows, &mut sel)?;
+        let logits = self.head(&sel, rows.len())?;
+        Ok((be.to_host(&logits)?, be.to_host(&normed)?))
     }
 
     /// Runs the main layers over `batch`: the residual stream after the last layer, and the
@@ -458,13 +483,9 @@ impl<B: Backend> DeepseekV3<B> {
         batch: &Batch,
         kv: &mut KvCache,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        let be = &self.backend;
-        let (n, d) = (batch.n_tokens(), self.cfg.hidden);
+        // the step lives on while the head's buffers are made (see `layers`)
         let (x, _step) = self.layers(batch, kv)?;
-        let mut normed = be.zeros(n * d)?;
-        be.rms_norm(&x, &self.norm, self.cfg.rms_eps, &mut normed)?;
-        let logits = self.logits(&x, &self.norm, &batch.logits_for)?;
-        Ok((be.to_host(&logits)?, be.to_host(&normed)?))
+        self.logits_and_hidden(&x, batch.n_tokens(), &self.norm, &batch.logits_for)
     }
 
     /// MTP layer `depth`: token `i` of `batch` is combined with `prev_hidden[i]` (the main
@@ -522,10 +543,7 @@ impl<B: Backend> DeepseekV3<B> {
             &mut step,
             kv,
         )?;
-        let logits = self.logits(&x, &m.norm, &batch.logits_for)?;
-        let mut normed = be.zeros(n * d)?;
-        be.rms_norm(&x, &m.norm, self.cfg.rms_eps, &mut normed)?;
-        Ok((be.to_host(&logits)?, be.to_host(&normed)?))
+        self.logits_and_hidden(&x, n, &m.norm, &batch.logits_for)
     }
 }
 
