@@ -22,15 +22,24 @@
 #define MLA_MAXNOPE 256                    // most nope query values per head
 #define MLA_VROWS 32                       // V up-projection rows per block
 
-// Rotates the pair (v[a], v[b]) of a rope part by `pos`, as the host's `mla::rotate`: the angle
-// in f32, its sine and cosine in f64, each scaled by `rs`.
-__device__ __forceinline__ void mla_rot_pair(float& x, float& y, float f, int pos, float rs) {
+// The rotation of a rope pair at frequency `f` and position `pos`, as the host's `mla::rotate`:
+// the angle in f32, its cosine (x) and sine (y) in f64, each scaled by `rs`.
+__device__ __forceinline__ float2 mla_angle(float f, int pos, float rs) {
     const float ang = f * (float)pos;
-    const float c = (float)cos((double)ang) * rs;
-    const float s = (float)sin((double)ang) * rs;
-    const float x0 = x, y0 = y;
-    x = x0 * c - y0 * s;
-    y = y0 * c + x0 * s;
+    return make_float2((float)cos((double)ang) * rs, (float)sin((double)ang) * rs);
+}
+
+// The pair (x, y) rotated by cosine c and sine s.
+__device__ __forceinline__ float2 mla_rotate(float x, float y, float c, float s) {
+    return make_float2(x * c - y * s, y * c + x * s);
+}
+
+// Rotates the pair (v[a], v[b]) of a rope part by `pos` (mla_angle, mla_rotate).
+__device__ __forceinline__ void mla_rot_pair(float& x, float& y, float f, int pos, float rs) {
+    const float2 cs = mla_angle(f, pos, rs);
+    const float2 o = mla_rotate(x, y, cs.x, cs.y);
+    x = o.x;
+    y = o.y;
 }
 
 // Token t's cache row: the RMS-normalized latent and the rotated rope key (whole block; `red`
@@ -87,9 +96,9 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
         const int half = dr / 2;
         for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
             const int i = e / half, p = e % half;
-            const float ang = inv_freq[p] * (float)positions[t0 + i];
-            cs[i][p] = (float)cos((double)ang) * rs;
-            sn[i][p] = (float)sin((double)ang) * rs;
+            const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
+            cs[i][p] = a.x;
+            sn[i][p] = a.y;
         }
         const bool rows = (int)blockIdx.z > zr;
         if (rows && h != 0) return;
@@ -106,8 +115,9 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
                 const T* qh = q + ((long)t * heads + h) * qk + nope;
                 const float x = act_load(qh, a), y = act_load(qh, b);
                 float* o = qf + ((long)t * heads + h) * W + r;
-                o[a] = x * cs[i][p] - y * sn[i][p];
-                o[b] = y * cs[i][p] + x * sn[i][p];
+                const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
+                o[a] = v.x;
+                o[b] = v.y;
             }
             return;
         }
@@ -140,8 +150,9 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
             const T* row = kva + (long)(t0 + i) * W + r;
             const float x = act_load(row, a), y = act_load(row, b);
             T* dst = cache + slot_s[i] * (long)W + r;
-            act_store(dst, a, x * cs[i][p] - y * sn[i][p]);
-            act_store(dst, b, y * cs[i][p] + x * sn[i][p]);
+            const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
+            act_store(dst, a, v.x);
+            act_store(dst, b, v.y);
         }
         return;
     }
@@ -751,9 +762,9 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             if (jj < vc && cq * 8 < r) wv[a][z].load(wh + (long)(nope + b * vc + jj) * r + cq * 8);
         }
     if (tid < half) {
-        const float ang = inv_freq[tid] * (float)pos;
-        cs[tid] = (float)cos((double)ang) * rs;
-        sn[tid] = (float)sin((double)ang) * rs;
+        const float2 a = mla_angle(inv_freq[tid], pos, rs);
+        cs[tid] = a.x;
+        sn[tid] = a.y;
     }
     // the owner's norm gains (2 columns a thread: r <= 512)
     float g2[2] = {0.0f, 0.0f};
@@ -784,12 +795,12 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             kz = act_load(row, r + ib);
         }
     }
-    if (tid < nope) qn[tid] = xn;
-    for (int j = tid + MLA1_THREADS; j < nope; j += MLA1_THREADS) qn[j] = act_load(qh, j);
+    if (tid < nope) qn[tid] = xn;  // nope <= MLA_MAXNOPE = MLA1_THREADS
     __syncthreads();  // qn, cs, sn
     if (tid < half) {
-        qf[r + ia] = (qx * cs[tid] - qy * sn[tid]) * scale_log2;
-        qf[r + ib] = (qy * cs[tid] + qx * sn[tid]) * scale_log2;
+        const float2 o = mla_rotate(qx, qy, cs[tid], sn[tid]);
+        qf[r + ia] = o.x * scale_log2;
+        qf[r + ib] = o.y * scale_log2;
     }
     // The token's own cache row, rounded as the cache stores it.
     if (owner) {
@@ -806,8 +817,8 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             }
         }
         if (tid < half) {
-            const float xa = act_round(cache, ky * cs[tid] - kz * sn[tid]);
-            const float xb = act_round(cache, kz * cs[tid] + ky * sn[tid]);
+            const float2 o = mla_rotate(ky, kz, cs[tid], sn[tid]);
+            const float xa = act_round(cache, o.x), xb = act_round(cache, o.y);
             nrow[r + ia] = xa;
             nrow[r + ib] = xb;
             if (h == 0) {

@@ -430,38 +430,23 @@ __device__ __forceinline__ void moe_act_load(const bf16_t* p, float* o, int ce) 
     }
 }
 
-// Eight activations as floats through L2 only (what an earlier kernel wrote, read by a kernel
-// that does not wait for its predecessor: see moe_gu_dec).
+// CE (4 or 8) activations as floats through L2 only (what an earlier kernel wrote, read by a
+// kernel that does not wait for its predecessor: see moe_gu_dec).
 __device__ __forceinline__ uint4 moe_ld_cg16(const void* p) {
     uint4 r;
     asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
-__device__ __forceinline__ void moe_load8(const float* p, float* o, bool cg) {
-    if (!cg) {
-        act_load8(p, o);
-        return;
-    }
-    const uint4 a = moe_ld_cg16(p), b = moe_ld_cg16(p + 4);
-    o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y); o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
-    o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y); o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
-}
-__device__ __forceinline__ void moe_load8(const bf16_t* p, float* o, bool cg) {
-    bf16x8_to_f32(cg ? moe_ld_cg16(p) : *reinterpret_cast<const uint4*>(p), o);
-}
-
-// CE (4 or 8) activations as floats through L2 only.
 __device__ __forceinline__ void moe_load_cg(const float* p, float* o, int ce) {
-    if (ce == 8) {
-        moe_load8(p, o, true);
-    } else {
-        const uint4 a = moe_ld_cg16(p);
-        o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y); o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+    for (int h = 0; h < ce / 4; h++) {
+        const uint4 a = moe_ld_cg16(p + 4 * h);
+        o[4 * h] = __uint_as_float(a.x); o[4 * h + 1] = __uint_as_float(a.y);
+        o[4 * h + 2] = __uint_as_float(a.z); o[4 * h + 3] = __uint_as_float(a.w);
     }
 }
 __device__ __forceinline__ void moe_load_cg(const bf16_t* p, float* o, int ce) {
     if (ce == 8) {
-        moe_load8(p, o, true);
+        bf16x8_to_f32(moe_ld_cg16(p), o);
     } else {
         uint2 v;
         asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -484,7 +469,8 @@ __device__ void moe_rstd(const T* x, int n, int d, float eps, bool cg, float* re
         for (int t = 0; t < MOED_MAXN; t++) {
             if (t < n) {
                 float v[8];
-                moe_load8(x + (long)t * d + c * 8, v, cg);
+                if (cg) moe_load_cg(x + (long)t * d + c * 8, v, 8);
+                else act_load8(x + (long)t * d + c * 8, v);
 #pragma unroll
                 for (int j = 0; j < 8; j++) ss[t] = fmaf(v[j], v[j], ss[t]);
             }
@@ -548,12 +534,12 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     }
     for (int c = tid + blockDim.x; c < nch; c += blockDim.x)
         for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
-    // early: the correction bias (no kernel writes it) and the experts' weight addresses are
-    // loaded before the wait, and the last block scores from a shared copy of the bias
     // the norm's gains of this thread's first chunk (no kernel writes them)
     float g8[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) g8[j] = gain != nullptr && tid < nch ? gain[tid * 8 + j] : 0.0f;
+    // early: the correction bias (no kernel writes it) and the experts' weight addresses are
+    // loaded before the wait, and the last block scores from a shared copy of the bias
     u64 my_ptr[3] = {0, 0, 0};
     float my_bias = 0.0f;
     if (early && tid < E) {

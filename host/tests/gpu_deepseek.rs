@@ -196,14 +196,18 @@ mod gpu {
     /// Three sequences in a paged cache of 8-token blocks: prompts of 1, 67 and 300 tokens
     /// (the last spans several decode splits), then one decode token each.
     fn mla_case(rng: &mut Rng, heads: usize, latent: usize) -> MlaCase {
-        let dims = MlaDims {
+        mla_case_of(rng, small_heads(heads, latent))
+    }
+
+    /// Heads of 24 nope, 8 rope and 40 V values.
+    fn small_heads(heads: usize, latent: usize) -> MlaDims {
+        MlaDims {
             heads,
             nope: 24,
             rope: 8,
             v: 40,
             latent,
-        };
-        mla_case_of(rng, dims)
+        }
     }
 
     fn mla_case_of(rng: &mut Rng, dims: MlaDims) -> MlaCase {
@@ -304,13 +308,16 @@ mod gpu {
                 v: 128,
                 latent: 512,
             };
-            let shapes = [(5, 40), (21, 72), (5, 64), (3, 32), (16, 512)];
-            for (heads, latent) in shapes {
-                let c = if latent == 512 {
-                    mla_case_of(&mut rng, moon)
-                } else {
-                    mla_case(&mut rng, heads, latent)
-                };
+            let shapes = [
+                small_heads(5, 40),
+                small_heads(21, 72),
+                small_heads(5, 64),
+                small_heads(3, 32),
+                moon,
+            ];
+            for dims in shapes {
+                let (heads, latent) = (dims.heads, dims.latent);
+                let c = mla_case_of(&mut rng, dims);
                 let cpu = CpuBackend::new(2);
                 let a = run_mla(&cpu, &c, MlaPath::Absorbed);
                 let e = run_mla(&cpu, &c, MlaPath::Expanded);

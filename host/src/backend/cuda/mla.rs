@@ -101,18 +101,14 @@ pub fn splits_for(blocks: usize, max_ctx: usize) -> usize {
 /// Blocks of a cluster of the fused decode kernel (`mla_dec1`), or `None` where the step
 /// keeps the three launches. It takes steps of one token a sequence on devices with clusters,
 /// of at most [`FUSED_MAX_BLOCKS`] blocks and contexts of at most [`FUSED_MAX_CTX`], and shapes
-/// it was written for: each block absorbs r / C latent columns (a multiple of 8, at most 64,
-/// in 1, 2, 4 or 8 chunks of 8) and projects v / C rows (at most 16) of at most 512 columns,
-/// with at most 1,024 8-value chunks of the absorption's weights a block, rope values at most
-/// 128, and cache rows of whole 16-byte units.
+/// it was written for ([`cluster_for`]; so latents of at most 8 x 64 = 512), rope values at
+/// most 128, and cache rows of whole 16-byte units.
 fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize> {
     let d = p.dims;
     let (r, dr) = (d.latent, d.rope);
     if !(inner.opts.fuse && inner.opts.fuse_mla && inner.module.clusters)
         || step.max_len != 1
-        || step.n_tokens > 65_535
         || step.max_ctx > FUSED_MAX_CTX
-        || r > 512
         || dr > 128
         || !((r + dr) * inner.act().size()).is_multiple_of(16)
     {
@@ -123,7 +119,9 @@ fn fused_cluster(inner: &Inner, step: &CudaStep, p: &MlaParams) -> Option<usize>
 }
 
 /// The blocks a head of the fused decode kernel splits into for these dimensions (8, 4 or 2,
-/// the largest that fits), or `None` for shapes it was not written for.
+/// the largest that fits), or `None` for shapes it was not written for: each block absorbs
+/// r / C latent columns (a multiple of 8, at most 64, in 1, 2, 4 or 8 chunks of 8, at most
+/// 1,024 chunks of weights) and projects v / C rows (at most 16) of those r columns.
 fn cluster_for(d: &crate::model::mla::MlaDims) -> Option<usize> {
     let r = d.latent;
     [8usize, 4, 2].into_iter().find(|&c| {
@@ -138,7 +136,8 @@ fn cluster_for(d: &crate::model::mla::MlaDims) -> Option<usize> {
     })
 }
 
-/// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs).
+/// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs; so at most 264
+/// tokens, well inside a grid's z).
 const FUSED_MAX_BLOCKS: usize = 4 * 132;
 /// Longest context the fused decode kernel takes: it walks a split's keys one 32-key tile (16
 /// for f32 caches) at a time without double buffering. On the H200 it still beat the three

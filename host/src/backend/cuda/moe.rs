@@ -413,6 +413,8 @@ fn forward_decode(
     // Up to 64 experts: one cluster of blocks of 8 experts (the portable cluster size).
     let cluster = e.div_ceil(DEC_EXPERTS_PER_CLUSTER_BLOCK);
     let clustered = inner.opts.ds2.cluster && inner.module.clusters && cluster <= 8;
+    // the kernels' token bound: 1, or up to DEC_MAX_TOKENS
+    let ti = usize::from(n > 1);
     let args = vec![
         logits.ptr(),
         st.counter.ptr,
@@ -445,7 +447,7 @@ fn forward_decode(
     ];
     if clustered {
         inner.push(Op::Cluster {
-            kernel: kern.moe_route_decc[usize::from(n > 1)],
+            kernel: kern.moe_route_decc[ti],
             grid: [cluster as u32, 1, 1],
             block: DEC_THREADS,
             cluster: cluster as u32,
@@ -460,7 +462,6 @@ fn forward_decode(
             args,
         );
     }
-    let ti = usize::from(n > 1);
     let per_slot = if n > 1 { DEC_MAX_TOKENS } else { 1 };
     let h = inner.scratch((slots + n_shared) * per_slot * inter, act.size())?;
     launch(
