@@ -341,6 +341,122 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         }
 }
 
+// One token, rows of at most GEMVP_MAXK bf16 weights (`gemvp<mode>_bf16w_n1_r8_bf16`; modes as
+// gemvb's, SwiGLU excepted): a block's GEMVP_ROWS rows stream into shared memory by cp.async
+// before the programmatic wait, so no register holds a load in flight and a block that is
+// resident while the kernel before it runs (a latency-bound one: the MLA decode, the routing)
+// has its weights by the time that kernel ends. After the wait the block stages the input
+// (normalized times the gain for GEMVB_NORM, whose scale each block computes itself) and
+// each warp takes one row: lanes over 16-byte chunks, one warp reduction.
+#define GEMVP_ROWS 8
+#define GEMVP_MAXK 2048
+
+template <int MODE>
+__device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
+                                           long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
+    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0;
+    constexpr int R = GEMVP_ROWS;
+    __shared__ __align__(16) uint4 wbuf[R * GEMVP_MAXK / 8];
+    __shared__ __align__(16) float xs[GEMVP_MAXK];
+    __shared__ float red[GEMVB_THREADS / 32];
+    __shared__ float rstd_s;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nch = k >> 3;
+    // Row `warp` of this block: its segment, its index there.
+    const long gr = (long)blockIdx.x * R + warp;
+    const u8* wr = w0;
+    bf16_t* yr = y0;
+    long rr = gr, mr = m0;
+    bool ok = true;
+    if (gr < m0) {
+    } else if (gr < (long)m0 + m1) {
+        wr = w1; yr = y1; rr = gr - m0; mr = m1;
+    } else if (gr < (long)m0 + m1 + m2) {
+        wr = w2; yr = y2; rr = gr - m0 - m1; mr = m2;
+    } else {
+        ok = false;
+        rr = 0;
+    }
+    wr += rr * row_bytes;
+    // Each warp copies its own row: lane l takes chunks l, l + 32, ...
+    for (int c = lane; c < nch; c += 32) cp_async16(&wbuf[warp * nch + c], wr + (long)c * 16, ok);
+    cp_async_commit();
+    pdl_launch_dependents();
+    pdl_wait();
+    float resv = 0.0f;
+    if (ACC && ok && lane == 0) resv = act_load(res, rr);
+    // The input (times the gain), and its sum of squares.
+    float ss = 0.0f;
+    for (int c = tid; c < nch; c += blockDim.x) {
+        float xf[8];
+        act_load8(x + (long)c * 8, xf);
+        if (NORM) {
+            const float4 ga = *reinterpret_cast<const float4*>(g + (long)c * 8);
+            const float4 gb = *reinterpret_cast<const float4*>(g + (long)c * 8 + 4);
+            const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                ss = fmaf(xf[j], xf[j], ss);
+                xf[j] *= gf[j];
+            }
+        }
+        *reinterpret_cast<float4*>(&xs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
+        *reinterpret_cast<float4*>(&xs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
+    }
+    if (NORM) {
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    float rstd = 1.0f;
+    if (NORM) {
+        if (tid == 0) {
+            float s = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi];
+            rstd_s = 1.0f / sqrtf(s / (float)k + eps);
+        }
+        __syncthreads();
+        rstd = rstd_s;
+        // This block's slice of the normalized row, as the RMSNorm kernel writes it.
+        if (h != nullptr && tid < 8)
+            for (long c = blockIdx.x; c < nch; c += gridDim.x) {
+                const long e = c * 8 + tid;
+                act_store(h, e, act_load(x, e) * rstd * g[e]);
+            }
+    }
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int c = lane; c < nch; c += 32) {
+        float wf[8];
+        bf16x8_to_f32(wbuf[warp * nch + c], wf);
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
+        acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
+        acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
+        acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
+        acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
+    }
+    acc = warp_sum(acc);
+    if (ok && lane == 0) {
+        const float s = acc * rstd;
+        act_store(yr, rr, s);
+        if (ACC) act_store(res, rr, resv + act_round(yr, s));
+    }
+}
+
+#define GEMVP_WRAPPER(MODE, MS)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvp##MS##_bf16w_n1_r8_bf16(                    \
+        const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1, bf16_t* y2, int m0, int m1, int m2,     \
+        const bf16_t* x, int n, int k, long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {       \
+        gemvp_impl<MODE>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, k, row_bytes, g, eps, h, res);                   \
+    }
+GEMVP_WRAPPER(GEMVB_PLAIN, )
+GEMVP_WRAPPER(GEMVB_NORM, n)
+GEMVP_WRAPPER(GEMVB_ACC, a)
+
 // gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add),
 // "s" (SwiGLU), "ns" (norm and SwiGLU)
 #define GEMVB_WRAPPER(T, S, WT, WS, N, R, U, MODE, MS)                                                            \

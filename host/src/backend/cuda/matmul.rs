@@ -10,7 +10,9 @@
 use std::sync::Arc;
 
 use super::blas::{Gemm, GemmType};
-use super::module::{gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS};
+use super::module::{
+    gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS, GEMVP_MAXK, GEMVP_ROWS,
+};
 use super::ops::check;
 use super::queue::{elementwise_grid, Gemt, Gemv, Op, Product, GEMV_THREADS};
 use super::weights::WType;
@@ -162,6 +164,20 @@ fn block_kernel(
     };
     if !(inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
         return None;
+    }
+    if let (true, 1, 0, true, Some(p)) = (
+        inner.opts.gemvp,
+        n,
+        wi,
+        k <= GEMVP_MAXK,
+        kernels.gemvp.as_ref(),
+    ) {
+        match fold {
+            Fold::Plain => return Some((p[0], GEMVP_ROWS)),
+            Fold::Norm => return Some((p[1], GEMVP_ROWS)),
+            Fold::Acc => return Some((p[2], GEMVP_ROWS)),
+            Fold::Swiglu | Fold::NormSwiglu => {}
+        }
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;
     let si = match (n, k) {

@@ -88,6 +88,10 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// Block-cooperative GEMVs for long bf16/f16 rows (see `matmul::pick`).
     pub gemvb: bool,
+    /// One-token GEMVs over rows of at most 2048 bf16 weights stream a block's rows into shared
+    /// memory before the programmatic wait (`gemvp*` in `kernels/gemv.cu`); `DEEPINFER_CUDA_GEMVP=0`
+    /// gives them to the block-cooperative kernels.
+    pub gemvp: bool,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -212,6 +216,7 @@ impl Default for CudaOptions {
             prefill: PrefillKernel::Wide,
             pdl: true,
             gemvb: true,
+            gemvp: true,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -230,7 +235,7 @@ impl Default for CudaOptions {
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
     /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
@@ -254,6 +259,7 @@ impl CudaOptions {
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
+        o.gemvp = !off("DEEPINFER_CUDA_GEMVP");
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");

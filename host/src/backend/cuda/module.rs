@@ -299,6 +299,10 @@ pub struct ActKernels {
     /// (2, 4) kernel.
     pub gemvb_swiglu: Option<[[KernelId; 3]; 4]>,
     pub gemvb_norm_swiglu: Option<[[KernelId; 3]; 4]>,
+    /// One-token GEMVs whose weights stream into shared memory before the programmatic wait
+    /// (`gemvp*_bf16w_n1_r8` in `kernels/gemv.cu`), by fold: plain, RMSNorm, residual add; bf16
+    /// weights and activations, rows of at most [`GEMVP_MAXK`] weights.
+    pub gemvp: Option<[KernelId; 3]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -343,6 +347,10 @@ pub const DECODE_GROUPS: [usize; 4] = [1, 2, 4, 8];
 pub const GEMVB_TOKENS: [usize; 4] = [1, 2, 4, 8];
 /// (rows per block, 16-byte loads per thread and row) of the block-cooperative GEMVs.
 pub const GEMVB_SHAPES: [(usize, usize); 3] = [(4, 2), (2, 4), (1, 8)];
+/// Rows per block and the longest rows of the one-token shared-memory GEMVs (`GEMVP_ROWS`,
+/// `GEMVP_MAXK` in `kernels/gemv.cu`).
+pub const GEMVP_ROWS: usize = 8;
+pub const GEMVP_MAXK: usize = 2048;
 
 /// The loaded module and its kernel ids.
 pub struct Module {
@@ -481,6 +489,15 @@ impl Module {
                 gemvb_acc: folded(&mut n, "gemvba")?,
                 gemvb_swiglu: folded(&mut n, "gemvbs")?,
                 gemvb_norm_swiglu: folded(&mut n, "gemvbns")?,
+                gemvp: if s == "bf16" {
+                    Some([
+                        n("gemvp_bf16w_n1_r8")?,
+                        n("gemvpn_bf16w_n1_r8")?,
+                        n("gemvpa_bf16w_n1_r8")?,
+                    ])
+                } else {
+                    None
+                },
                 argmax: n("argmax")?,
                 topk: n("topk")?,
             })
@@ -617,6 +634,7 @@ mod tests {
             "gemvb_bf16w_n4_r4u2_bf16",
             "gemvbn_bf16w_n8_r1u8_bf16",
             "gemvba_bf16w_n1_r2u4_bf16",
+            "gemvpn_bf16w_n1_r8_bf16",
             "attn_prefill_d128_f32",
             "attn_prefill3_d128_bf16",
             "attn_decode_d64_g4_bf16",
