@@ -343,11 +343,11 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 
 // One token, rows of at most GEMVP_MAXK bf16 weights (`gemvp<mode>_bf16w_n1_r8_bf16`; modes as
 // gemvb's, SwiGLU excepted): a block's GEMVP_ROWS rows stream into shared memory by cp.async
-// before the programmatic wait, so no register holds a load in flight and a block that is
-// resident while the kernel before it runs (a latency-bound one: the MLA decode, the routing)
-// has its weights by the time that kernel ends. After the wait the block stages the input
-// (normalized times the gain for GEMVB_NORM, whose scale each block computes itself) and
-// each warp takes one row: lanes over 16-byte chunks, one warp reduction.
+// before the programmatic wait, so no register holds a load in flight (5 blocks an SM keep
+// 160 KB asked for) and a block resident while the kernel before it runs starts its copies
+// then. After the wait the block stages the input (times the gain for GEMVB_NORM, whose scale
+// each thread computes from the block's sums) and each warp takes one row: lanes over 16-byte
+// chunks, one warp reduction.
 #define GEMVP_ROWS 8
 #define GEMVP_MAXK 2048
 
@@ -360,20 +360,19 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     __shared__ __align__(16) uint4 wbuf[R * GEMVP_MAXK / 8];
     __shared__ __align__(16) float xs[GEMVP_MAXK];
     __shared__ float red[GEMVB_THREADS / 32];
-    __shared__ float rstd_s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nch = k >> 3;
-    // Row `warp` of this block: its segment, its index there.
+    // Row `warp` of this block: its segment, its index there (as gemvb_impl finds them).
     const long gr = (long)blockIdx.x * R + warp;
     const u8* wr = w0;
     bf16_t* yr = y0;
-    long rr = gr, mr = m0;
+    long rr = gr;
     bool ok = true;
     if (gr < m0) {
     } else if (gr < (long)m0 + m1) {
-        wr = w1; yr = y1; rr = gr - m0; mr = m1;
+        wr = w1; yr = y1; rr = gr - m0;
     } else if (gr < (long)m0 + m1 + m2) {
-        wr = w2; yr = y2; rr = gr - m0 - m1; mr = m2;
+        wr = w2; yr = y2; rr = gr - m0 - m1;
     } else {
         ok = false;
         rr = 0;
@@ -412,14 +411,11 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     __syncthreads();
     float rstd = 1.0f;
     if (NORM) {
-        if (tid == 0) {
-            float s = 0.0f;
+        // every thread adds the warps' sums in the same order
+        float s = 0.0f;
 #pragma unroll
-            for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi];
-            rstd_s = 1.0f / sqrtf(s / (float)k + eps);
-        }
-        __syncthreads();
-        rstd = rstd_s;
+        for (int wi = 0; wi < GEMVB_THREADS / 32; wi++) s += red[wi];
+        rstd = 1.0f / sqrtf(s / (float)k + eps);
         // This block's slice of the normalized row, as the RMSNorm kernel writes it.
         if (h != nullptr && tid < 8)
             for (long c = blockIdx.x; c < nch; c += gridDim.x) {

@@ -148,6 +148,8 @@ impl Fold {
 /// whole Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
 /// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
 /// beyond; several tokens always take 4 rows x 2 loads. Folded variants: bf16 weights only.
+/// One token over bf16 rows of 2048 (bf16 activations, no SwiGLU) takes `gemvp*` instead,
+/// 8 rows a block staged in shared memory (`CudaOptions::gemvp`).
 fn block_kernel(
     inner: &Inner,
     act: Act,
@@ -165,18 +167,16 @@ fn block_kernel(
     if !(inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
         return None;
     }
-    if let (true, 1, 0, true, Some(p)) = (
-        inner.opts.gemvp,
-        n,
-        wi,
-        k <= GEMVP_MAXK,
-        kernels.gemvp.as_ref(),
-    ) {
-        match fold {
-            Fold::Plain => return Some((p[0], GEMVP_ROWS)),
-            Fold::Norm => return Some((p[1], GEMVP_ROWS)),
-            Fold::Acc => return Some((p[2], GEMVP_ROWS)),
-            Fold::Swiglu | Fold::NormSwiglu => {}
+    // one token over bf16 rows of at most GEMVP_MAXK: the shared-memory kernels, by fold
+    let gemvp_fold = match fold {
+        Fold::Plain => Some(0),
+        Fold::Norm => Some(1),
+        Fold::Acc => Some(2),
+        Fold::Swiglu | Fold::NormSwiglu => None,
+    };
+    if let (Some(p), Some(f)) = (kernels.gemvp.as_ref(), gemvp_fold) {
+        if inner.opts.gemvp && n == 1 && wi == 0 && k <= GEMVP_MAXK {
+            return Some((p[f], GEMVP_ROWS));
         }
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;
