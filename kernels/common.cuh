@@ -206,15 +206,60 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 // they read and it writes): the wait returns once every earlier kernel has finished and its
 // writes are visible. Work that needs neither (streaming weights) may run before the wait.
 // Without the attribute, or below sm_90, both are no-ops.
+//
+// With DEEPINFER_TRACE defined (`DEEPINFER_CUDA_TRACE`, host side in `backend/cuda/trace.rs`),
+// both also stamp the launch's record in `di_trace` from thread 0 of every 16th block: the
+// first and last trigger and the first and last return from the wait, in global-timer
+// nanoseconds. A kernel's wait returns once the kernels before it are done, so the gaps
+// between successive launches' first returns are each kernel's share of the step.
+#ifdef DEEPINFER_TRACE
+#define DI_TRACE_SLOTS 4096
+// key (grid id + 1), blocks << 32 | threads, ~first trigger, last trigger, ~first wait, last
+// wait, then DI_TRACE_PHASES phase stamps (latest)
+#define DI_TRACE_PHASES 8
+#define DI_TRACE_WORDS (6 + DI_TRACE_PHASES)
+__device__ u64 di_trace[DI_TRACE_SLOTS * DI_TRACE_WORDS];
+// field 0: trigger, 1: wait, 2 + k: phase k
+__device__ __forceinline__ void di_trace_stamp(int field) {
+    if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+    // y fastest, so a grid of a few x (the MoE slots) by many y is sampled in every x
+    const u64 b = blockIdx.y + (u64)gridDim.y * (blockIdx.x + (u64)gridDim.x * blockIdx.z);
+    if (b % 16) return;
+    u64 g, t;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const u64 key = g + 1;
+    for (u32 i = 0; i < 64; i++) {
+        u64* r = di_trace + ((key + i) % DI_TRACE_SLOTS) * DI_TRACE_WORDS;
+        const u64 old = atomicCAS(r, 0ull, key);
+        if (old != 0ull && old != key) continue;
+        if (old == 0ull) atomicExch(r + 1, ((u64)(gridDim.x * gridDim.y * gridDim.z) << 32) | blockDim.x);
+        if (field < 2) {
+            atomicMax(r + 2 + 2 * field, ~t);
+            atomicMax(r + 3 + 2 * field, t);
+        } else {
+            atomicMax(r + 4 + field, t);
+        }
+        return;
+    }
+}
+#else
+__device__ __forceinline__ void di_trace_stamp(int) {}
+#endif
+// Phase k (< DI_TRACE_PHASES) of a kernel reached, by thread 0 of the sampled blocks (traced
+// builds only): where a long kernel's time goes inside the pass.
+__device__ __forceinline__ void di_trace_phase(int k) { di_trace_stamp(2 + k); }
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    di_trace_stamp(1);
 }
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
+    di_trace_stamp(0);
 }
 #define PDL_ENTRY() \
     do {                        \

@@ -409,6 +409,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     }
     cp_async_wait_all();
     __syncthreads();
+    di_trace_phase(0);
     float rstd = 1.0f;
     if (NORM) {
         // every thread adds the warps' sums in the same order
@@ -441,6 +442,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
         act_store(yr, rr, s);
         if (ACC) act_store(res, rr, resv + act_round(yr, s));
     }
+    di_trace_phase(1);
 }
 
 #define GEMVP_WRAPPER(MODE, MS)                                                                                   \

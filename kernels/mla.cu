@@ -858,6 +858,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             ql[tid] = s;
         }
     }
+    di_trace_phase(0);
     cluster_sync();
     {
         float v2[2];
@@ -871,6 +872,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             if (tid + i * MLA1_THREADS < r) qf[tid + i * MLA1_THREADS] = v2[i] * scale_log2;
     }
 
+    di_trace_phase(1);
     // This split's keys, a tile at a time (online softmax). Scores: warp w takes keys w + 8 i
     // (KT / 8 of them together); outputs: thread tid owns latent columns 2 tid, 2 tid + 1.
     constexpr int KW = KT / MLA_WARPS;
@@ -935,6 +937,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[0] = m;
         ml[1] = l;
     }
+    di_trace_phase(2);
     cluster_sync();
     // The splits merged in rank order; every block gets the whole latent output. All the
     // cluster's values are asked for before any is used.
@@ -971,6 +974,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         }
     }
     __syncthreads();
+    di_trace_phase(3);
     // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
 #pragma unroll
     for (int a = 0; a < MLA1_VR; a++) {
@@ -990,6 +994,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         s = warp_sum(s);
         if (lane == 0) act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
     }
+    di_trace_phase(4);
     // No block leaves while the cluster may still read its shared memory.
     cluster_sync();
 }

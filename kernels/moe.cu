@@ -571,6 +571,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
             for (int j = 0; j < 8; j++) act_store(h, (long)t * d + c * 8 + j, v[j] * rstd[t] * gain[c * 8 + j]);
         }
     }
+    di_trace_phase(0);
     float acc[EPB][N];
 #pragma unroll
     for (int i = 0; i < EPB; i++)
@@ -626,6 +627,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
             else logits[(long)t * E + e0 + i] = s;
         }
     }
+    di_trace_phase(1);
     if (CL) {
         // Block 0 routes every token; the others leave once it has read their logits.
         cluster_sync();
@@ -647,6 +649,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
         if (warp < n)
             for (int e = lane; e < E; e += 32) sc[warp][e] = ld_cg(logits + (long)warp * E + e);
     }
+    di_trace_phase(2);
     const float* bias_p = bias;
     if (early && bias != nullptr) {
         if (tid < E) bias_s[tid] = my_bias;
@@ -659,6 +662,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
                  topk_group, norm, scaling);
     }
     __syncthreads();
+    di_trace_phase(3);
     // Tokens per expert, each selected expert's slot (its rank among the selected ones).
     const int e = tid;
     int c = 0;
@@ -694,6 +698,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     }
     for (int q = n_active + tid; q < n_slots; q += blockDim.x) slot_cnt[q] = 0;
     if (tid == 0) *counter = 0u;
+    di_trace_phase(4);
 }
 
 template <typename T, typename WT, int N>
@@ -808,6 +813,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
             act_store(hout, ((long)s * N + t) * inter + r0 + i, a / (1.0f + expf(-a)) * b);
         }
     }
+    di_trace_phase(shared_slot ? 0 : 1);
 }
 
 template <typename T, typename WT, int N>
@@ -879,6 +885,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
         }
     }
     const int n_active = __syncthreads_count(c > 0);
+    di_trace_phase(0);
     const int S = n_shared + n_active;
     const int steps = S * iters;
     if (early) {
@@ -959,6 +966,7 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
             if (res != nullptr) act_store(res, o, act_load(res, o) + act_round(out, v));
         }
     }
+    di_trace_phase(1);
 }
 
 #define MOE_DEC_WRAPPERS(T, S, WT, WS, N)                                                                            \

@@ -365,7 +365,8 @@ mod tests {
 
     #[test]
     fn ds2_switches_parse() {
-        assert_eq!(Ds2::parse("1").unwrap(), Ds2::ALL);
+        assert_eq!(Ds2::parse("1").unwrap(), Ds2::DEFAULT);
+        const { assert!(!Ds2::DEFAULT.down_prefetch && Ds2::DEFAULT.route) };
         assert_eq!(Ds2::parse("all").unwrap(), Ds2::ALL);
         assert_eq!(Ds2::parse("0").unwrap(), Ds2::NONE);
         let d = Ds2::parse("decode, vup,route").unwrap();

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction};
+use cudarc::driver::{sys, CudaContext, CudaFunction, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use sha2::{Digest, Sha256};
 
@@ -44,6 +44,9 @@ const OPTIONS: &[&str] = &["-std=c++17", "--extra-device-vectorization"];
 /// The whole translation unit.
 pub fn source() -> String {
     let mut s = String::new();
+    if super::trace::requested().is_some() {
+        s.push_str("#define DEEPINFER_TRACE 1\n");
+    }
     for (name, text) in SOURCES {
         s.push_str(&format!("// ---- {name} ----\n"));
         s.push_str(text);
@@ -355,6 +358,10 @@ pub const GEMVP_MAXK: usize = 2048;
 /// The loaded module and its kernel ids.
 pub struct Module {
     funcs: Vec<CudaFunction>,
+    /// Kernel names by id.
+    names: Vec<String>,
+    /// The trace table (`di_trace`) of a module compiled for tracing (`trace::requested`).
+    pub trace_table: Option<u64>,
     /// Launch with programmatic stream serialization (Hopper and later; see `pdl_wait` in
     /// `kernels/common.cuh`).
     pub pdl: bool,
@@ -397,7 +404,19 @@ impl Module {
                 sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| cuda_err("reading the shared memory limit", e))? as usize;
+        let trace_table = match super::trace::requested() {
+            Some(_) => {
+                let stream = ctx.default_stream();
+                let table = module
+                    .get_global("di_trace", &stream)
+                    .map_err(|e| cuda_err("finding the trace table", e))?;
+                let (ptr, _sync) = table.device_ptr(&stream);
+                Some(ptr)
+            }
+            None => None,
+        };
         let mut funcs = Vec::new();
+        let mut names = Vec::new();
         let mut index = HashMap::new();
         let mut get = |name: String| -> Result<KernelId> {
             if let Some(&id) = index.get(&name) {
@@ -408,6 +427,7 @@ impl Module {
                 .map_err(|e| cuda_err(&format!("kernel `{name}`"), e))?;
             let id = KernelId(funcs.len() as u16);
             funcs.push(f);
+            names.push(name.clone());
             index.insert(name, id);
             Ok(id)
         };
@@ -586,6 +606,8 @@ impl Module {
         }
         Ok(Module {
             funcs,
+            names,
+            trace_table,
             pdl: major >= 9,
             clusters: major >= 9,
             max_smem,
@@ -610,6 +632,10 @@ impl Module {
 
     pub fn function(&self, k: KernelId) -> sys::CUfunction {
         self.funcs[k.0 as usize].cu_function()
+    }
+
+    pub fn name(&self, k: KernelId) -> &str {
+        &self.names[k.0 as usize]
     }
 }
 

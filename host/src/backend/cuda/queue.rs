@@ -216,6 +216,8 @@ pub struct Queue {
     pub graphs_enabled: bool,
     pub timing: bool,
     pub stats: QueueStats,
+    /// The kernel timeline asked for (`DEEPINFER_CUDA_TRACE`).
+    pub tracer: Option<super::trace::Tracer>,
 }
 
 impl Queue {
@@ -226,6 +228,7 @@ impl Queue {
             graphs: Vec::new(),
             graphs_enabled,
             timing: false,
+            tracer: None,
             stats: QueueStats::default(),
         }
     }
@@ -315,6 +318,10 @@ impl Queue {
             None
         };
         exec_all(uploads, m, blas, stream)?;
+        let traced = match self.tracer.as_mut() {
+            Some(t) => t.begin(body.len(), stream)?,
+            None => false,
+        };
         let graphable = self.graphs_enabled
             && body.len() >= MIN_GRAPH_OPS
             && !body.iter().any(|o| matches!(o, Op::Upload { .. }));
@@ -346,6 +353,11 @@ impl Queue {
             }
         } else {
             exec_all(body, m, blas, stream)?;
+        }
+        if traced {
+            if let Some(t) = self.tracer.as_mut() {
+                t.finish(body, m, stream)?;
+            }
         }
         if let Some(t) = timer {
             self.stats.device_s += t.stop(stream)?;

@@ -1,0 +1,278 @@
+//! A timeline of one pass's kernels as they ran, CUDA graph and programmatic launches
+//! included (`DEEPINFER_CUDA_TRACE=FILE`; a development tool, not for serving).
+//!
+//! The kernels are compiled with `DEEPINFER_TRACE` defined, which makes `pdl_wait` and
+//! `pdl_launch_dependents` (`kernels/common.cuh`) stamp each launch's record in the module's
+//! `di_trace` table from every 16th block. The queue clears the table before the
+//! `DEEPINFER_CUDA_TRACE_AT`-th pass of at least [`MIN_OPS`] operations (default 40: a decode
+//! step well after the graph is captured), waits for the pass, and writes one row a kernel to
+//! FILE: its name, when its first block started, when its wait first returned (when the
+//! kernels before it had finished) and its share of the pass (the gap to the next kernel's first
+//! return), then the shares summed by kernel name. ncu times kernels one at a time; this shows
+//! what each costs inside the pass, where launches overlap.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaStream};
+
+use super::device::cuda_err;
+use super::module::Module;
+use super::queue::Op;
+use crate::error::{Error, Result};
+
+/// Records in the device table (`DI_TRACE_SLOTS`) and 64-bit words a record (`DI_TRACE_WORDS`).
+pub const SLOTS: usize = 4096;
+pub const WORDS: usize = 6 + PHASES;
+/// Phase stamps a record (`DI_TRACE_PHASES`: `di_trace_phase` in long kernels).
+pub const PHASES: usize = 8;
+/// Passes shorter than this are not counted (uploads, sampling).
+pub const MIN_OPS: usize = 40;
+
+/// The file to write, when tracing was asked for.
+pub fn requested() -> Option<String> {
+    std::env::var("DEEPINFER_CUDA_TRACE")
+        .ok()
+        .filter(|v| !v.is_empty())
+}
+
+/// Which pass the queue traces, and where the report goes.
+pub struct Tracer {
+    path: String,
+    at: u64,
+    seen: u64,
+    /// `di_trace` on the device.
+    table: u64,
+}
+
+impl Tracer {
+    /// The tracer for a module compiled with tracing (`table` is its `di_trace`).
+    pub fn new(path: String, table: u64) -> Result<Tracer> {
+        let at = match std::env::var("DEEPINFER_CUDA_TRACE_AT") {
+            Ok(v) => v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| {
+                Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_TRACE_AT={v}: expected a pass number of 1 or more"
+                ))
+            })?,
+            Err(_) => 40,
+        };
+        Ok(Tracer {
+            path,
+            at,
+            seen: 0,
+            table,
+        })
+    }
+
+    /// Whether the pass about to run (of `ops` operations) is the one to trace; clears the
+    /// table on the stream if so.
+    pub fn begin(&mut self, ops: usize, stream: &Arc<CudaStream>) -> Result<bool> {
+        if ops < MIN_OPS || self.seen > self.at {
+            return Ok(false);
+        }
+        self.seen += 1;
+        if self.seen != self.at {
+            return Ok(false);
+        }
+        // SAFETY: `table` is the module's `di_trace`, SLOTS * WORDS words long.
+        unsafe { result::memset_d8_async(self.table, 0, SLOTS * WORDS * 8, stream.cu_stream()) }
+            .map_err(|e| cuda_err("clearing the trace table", e))?;
+        Ok(true)
+    }
+
+    /// Waits for the traced pass `body` and writes the report.
+    pub fn finish(&mut self, body: &[Op], m: &Module, stream: &Arc<CudaStream>) -> Result<()> {
+        self.seen += 1;
+        stream
+            .synchronize()
+            .map_err(|e| cuda_err("waiting for the traced pass", e))?;
+        let mut words = vec![0u64; SLOTS * WORDS];
+        // SAFETY: the table holds SLOTS * WORDS words; the stream is idle.
+        unsafe { result::memcpy_dtoh_sync(&mut words, self.table) }
+            .map_err(|e| cuda_err("reading the trace table", e))?;
+        let names: Vec<&str> = body.iter().filter_map(|o| op_name(o, m)).collect();
+        let text = report(&words, &names);
+        std::fs::write(&self.path, text).map_err(|e| Error::io(&self.path, e))?;
+        tracing::info!("kernel trace written to {}", self.path);
+        Ok(())
+    }
+}
+
+/// The kernel an operation launches (none for copies and memsets; cuBLAS names none).
+fn op_name<'a>(op: &Op, m: &'a Module) -> Option<&'a str> {
+    match op {
+        Op::Launch { kernel, .. } | Op::Cluster { kernel, .. } | Op::Add { kernel, .. } => {
+            Some(m.name(*kernel))
+        }
+        Op::Gemv(g) => Some(m.name(g.kernel)),
+        Op::Gemt(g) => Some(m.name(g.kernel)),
+        Op::Gemm(_) => Some("(cublas)"),
+        Op::Memset { .. } | Op::Upload { .. } => None,
+    }
+}
+
+/// One launch as the table recorded it (times in ns).
+struct Rec {
+    key: u64,
+    blocks: u64,
+    threads: u64,
+    start: u64,
+    wait: Option<u64>,
+    wait_last: u64,
+    /// The latest time each phase was reached (0: never).
+    phases: [u64; PHASES],
+}
+
+/// The report of a table (`words`) for the pass's kernels in launch order (`names`).
+fn report(words: &[u64], names: &[&str]) -> String {
+    let mut recs: Vec<Rec> = words
+        .chunks_exact(WORDS)
+        .filter(|r| r[0] != 0)
+        .map(|r| Rec {
+            key: r[0],
+            blocks: r[1] >> 32,
+            threads: r[1] & 0xffff_ffff,
+            start: !r[2],
+            wait: (r[4] != 0).then_some(!r[4]),
+            wait_last: r[5],
+            phases: std::array::from_fn(|k| r[6 + k]),
+        })
+        .collect();
+    recs.sort_by_key(|r| r.key);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# {} launches recorded, {} kernels in the pass{}",
+        recs.len(),
+        names.len(),
+        if recs.len() == names.len() {
+            ""
+        } else {
+            " (counts differ: names may be misaligned)"
+        }
+    );
+    let Some(t0) = recs.iter().map(|r| r.start).min() else {
+        return out;
+    };
+    let us = |t: u64| t.saturating_sub(t0) as f64 / 1e3;
+    // A kernel's share: from its first wait return (else its start) to the next one's.
+    let mark = |r: &Rec| r.wait.unwrap_or(r.start);
+    let end = recs
+        .iter()
+        .map(|r| {
+            r.phases
+                .iter()
+                .fold(r.wait_last.max(r.start), |a, &p| a.max(p))
+        })
+        .max()
+        .unwrap_or(t0);
+    let _ = writeln!(
+        out,
+        "{:>4} {:<40} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8}  phases (us after the first wait)",
+        "#", "kernel", "blocks", "thr", "start_us", "wait_us", "wlast_us", "share_us"
+    );
+    let mut by_name: Vec<(String, f64, usize)> = Vec::new();
+    for (i, r) in recs.iter().enumerate() {
+        let next = recs.get(i + 1).map_or(end, mark);
+        let share = next.saturating_sub(mark(r)) as f64 / 1e3;
+        let name = names.get(i).copied().unwrap_or("?");
+        let phases: String = r
+            .phases
+            .iter()
+            .enumerate()
+            .filter(|(_, &p)| p != 0)
+            .map(|(k, &p)| {
+                let d = p as i64 - mark(r) as i64;
+                format!(" p{k} {:+.2}", d as f64 / 1e3)
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{i:>4} {name:<40} {:>7} {:>5} {:>9.2} {:>9} {:>9.2} {share:>8.2}{phases}",
+            r.blocks,
+            r.threads,
+            us(r.start),
+            r.wait.map_or("-".into(), |w| format!("{:.2}", us(w))),
+            us(r.wait_last),
+        );
+        match by_name.iter_mut().find(|(n, _, _)| n == name) {
+            Some(e) => {
+                e.1 += share;
+                e.2 += 1;
+            }
+            None => by_name.push((name.to_string(), share, 1)),
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let _ = writeln!(
+        out,
+        "\n# shares by kernel (pass {:.1} us from the first start to the last stamp)",
+        us(end)
+    );
+    for (n, s, c) in by_name {
+        let _ = writeln!(
+            out,
+            "{n:<40} {c:>4} x {:>8.2} us = {s:>9.1} us",
+            s / c as f64
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(words: &mut [u64], slot: usize, key: u64, start: u64, wait: Option<u64>) {
+        let r = &mut words[slot * WORDS..(slot + 1) * WORDS];
+        r[0] = key;
+        r[1] = (8 << 32) | 256;
+        r[2] = !start;
+        r[3] = start;
+        r[4] = wait.map_or(0, |w| !w);
+        r[5] = wait.unwrap_or(0);
+        // phase 1 half a microsecond after the first wait
+        r[7] = wait.map_or(0, |w| w + 500);
+    }
+
+    #[test]
+    fn shares_are_gaps_between_first_waits_in_launch_order() {
+        let mut w = vec![0u64; 8 * WORDS];
+        // launched in key order 5, 6, 7 (slots out of order)
+        rec(&mut w, 3, 6, 1_500, Some(4_000));
+        rec(&mut w, 1, 5, 1_000, Some(1_000));
+        rec(&mut w, 6, 7, 2_000, Some(9_000));
+        let r = report(&w, &["a", "b", "a"]);
+        let lines: Vec<&str> = r.lines().collect();
+        assert!(
+            lines[0].starts_with("# 3 launches recorded, 3 kernels"),
+            "{r}"
+        );
+        // a: 1.0 -> 4.0 us, b: 4.0 -> 9.0 us, a again: 9.0 -> 9.5 (its last phase stamp)
+        assert!(
+            lines[2].contains(" a ") && lines[2].trim_end().ends_with("3.00 p1 +0.50"),
+            "{r}"
+        );
+        assert!(
+            lines[3].contains(" b ") && lines[3].trim_end().ends_with("5.00 p1 +0.50"),
+            "{r}"
+        );
+        let sum = |n: &str| {
+            r.lines()
+                .skip_while(|l| !l.starts_with("# shares"))
+                .find(|l| l.split_whitespace().next() == Some(n))
+                .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        };
+        assert_eq!(sum("b").as_deref(), Some("b 1 x 5.00 us = 5.0 us"), "{r}");
+        assert_eq!(sum("a").as_deref(), Some("a 2 x 1.75 us = 3.5 us"), "{r}");
+    }
+
+    #[test]
+    fn mismatched_counts_are_said() {
+        let mut w = vec![0u64; 4 * WORDS];
+        rec(&mut w, 0, 1, 0, None);
+        let r = report(&w, &[]);
+        assert!(r.contains("counts differ"), "{r}");
+        assert!(r.contains(" ? "), "{r}");
+    }
+}
