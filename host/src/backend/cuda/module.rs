@@ -360,8 +360,9 @@ pub struct Module {
     funcs: Vec<CudaFunction>,
     /// Kernel names by id.
     names: Vec<String>,
-    /// The trace table (`di_trace`) of a module compiled for tracing (`trace::requested`).
-    pub trace_table: Option<u64>,
+    /// The trace table (`di_trace`: address, bytes) of a module compiled for tracing
+    /// (`trace::requested`).
+    pub trace_table: Option<(u64, usize)>,
     /// Launch with programmatic stream serialization (Hopper and later; see `pdl_wait` in
     /// `kernels/common.cuh`).
     pub pdl: bool,
@@ -410,8 +411,9 @@ impl Module {
                 let table = module
                     .get_global("di_trace", &stream)
                     .map_err(|e| cuda_err("finding the trace table", e))?;
+                let bytes = table.len();
                 let (ptr, _sync) = table.device_ptr(&stream);
-                Some(ptr)
+                Some((ptr, bytes))
             }
             None => None,
         };

@@ -355,7 +355,7 @@ impl Queue {
             exec_all(body, m, blas, stream)?;
         }
         if traced {
-            if let Some(t) = self.tracer.as_mut() {
+            if let Some(t) = self.tracer.as_ref() {
                 t.finish(body, m, stream)?;
             }
         }

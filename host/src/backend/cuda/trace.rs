@@ -46,8 +46,17 @@ pub struct Tracer {
 }
 
 impl Tracer {
-    /// The tracer for a module compiled with tracing (`table` is its `di_trace`).
-    pub fn new(path: String, table: u64) -> Result<Tracer> {
+    /// The tracer for a module compiled with tracing: `table` is its `di_trace`, of `bytes`
+    /// bytes (which must be the SLOTS x WORDS words this side reads).
+    pub fn new(path: String, (table, bytes): (u64, usize)) -> Result<Tracer> {
+        if bytes != SLOTS * WORDS * 8 {
+            return Err(Error::Cuda(format!(
+                "the kernels' trace table is {bytes} bytes, expected {} ({SLOTS} records of \
+                 {WORDS} words): DI_TRACE_SLOTS / DI_TRACE_WORDS in kernels/common.cuh and \
+                 backend/cuda/trace.rs disagree",
+                SLOTS * WORDS * 8
+            )));
+        }
         let at = match std::env::var("DEEPINFER_CUDA_TRACE_AT") {
             Ok(v) => v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(|| {
                 Error::BadConfig(format!(
@@ -65,13 +74,13 @@ impl Tracer {
     }
 
     /// Whether the pass about to run (of `ops` operations) is the one to trace; clears the
-    /// table on the stream if so.
+    /// table on the stream if so. Passes after it are not counted.
     pub fn begin(&mut self, ops: usize, stream: &Arc<CudaStream>) -> Result<bool> {
-        if ops < MIN_OPS || self.seen > self.at {
+        if ops < MIN_OPS || self.seen >= self.at {
             return Ok(false);
         }
         self.seen += 1;
-        if self.seen != self.at {
+        if self.seen < self.at {
             return Ok(false);
         }
         // SAFETY: `table` is the module's `di_trace`, SLOTS * WORDS words long.
@@ -81,8 +90,7 @@ impl Tracer {
     }
 
     /// Waits for the traced pass `body` and writes the report.
-    pub fn finish(&mut self, body: &[Op], m: &Module, stream: &Arc<CudaStream>) -> Result<()> {
-        self.seen += 1;
+    pub fn finish(&self, body: &[Op], m: &Module, stream: &Arc<CudaStream>) -> Result<()> {
         stream
             .synchronize()
             .map_err(|e| cuda_err("waiting for the traced pass", e))?;
@@ -265,6 +273,15 @@ mod tests {
         };
         assert_eq!(sum("b").as_deref(), Some("b 1 x 5.00 us = 5.0 us"), "{r}");
         assert_eq!(sum("a").as_deref(), Some("a 2 x 1.75 us = 3.5 us"), "{r}");
+    }
+
+    #[test]
+    fn a_table_of_another_size_is_an_error() {
+        let e = Tracer::new("t.txt".into(), (0, SLOTS * 6 * 8))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("DI_TRACE_WORDS"), "{e}");
+        assert!(Tracer::new("t.txt".into(), (0, SLOTS * WORDS * 8)).is_ok());
     }
 
     #[test]
