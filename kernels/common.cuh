@@ -61,12 +61,30 @@ __device__ __forceinline__ void act_load8(const bf16_t* p, float* out) {
     bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
 }
 
+// Experiment DI_X_EVICT: weight streams marked first to go from L2 (a cache policy), so the
+// weights of a step passing through do not push out the kernels' code, the activations and
+// the small tables.
+#if defined(DI_X_EVICT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DI_EVICT_FIRST 1
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+#endif
+
 // A 16-byte load that skips L1: weights are read once, the activations stay cached.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 r;
+#ifdef DI_EVICT_FIRST
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p), "l"(l2_evict_first()));
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                  : "l"(p));
+#endif
     return r;
 }
 
@@ -168,6 +186,17 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
     const u32 a = (u32)__cvta_generic_to_shared(dst);
     const int n = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(a), "l"(src), "r"(n));
+}
+// cp_async16 for weights, streamed as ld_stream16 streams them.
+__device__ __forceinline__ void cp_async16_w(void* dst, const void* src, bool valid) {
+#ifdef DI_EVICT_FIRST
+    const u32 a = (u32)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(a), "l"(src), "r"(n),
+                 "l"(l2_evict_first()));
+#else
+    cp_async16(dst, src, valid);
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }

@@ -379,7 +379,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     }
     wr += rr * row_bytes;
     // Each warp copies its own row: lane l takes chunks l, l + 32, ...
-    for (int c = lane; c < nch; c += 32) cp_async16(&wbuf[warp * nch + c], wr + (long)c * 16, ok);
+    for (int c = lane; c < nch; c += 32) cp_async16_w(&wbuf[warp * nch + c], wr + (long)c * 16, ok);
     cp_async_commit();
     pdl_launch_dependents();
     pdl_wait();

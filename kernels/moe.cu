@@ -819,7 +819,8 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
 template <typename T, typename WT, int N>
 __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,
                                   const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,
-                                  int n_shared, int n, int d, int inter, int early) {
+                                  int n_shared, int n, int d, int inter, int early, const u8* pf0, long pf0_bytes,
+                                  const u8* pf1, long pf1_bytes) {
     constexpr int R = MOED_R;
     constexpr int CE = MoeChunk<WT>::CE;
     __shared__ const WT* sp[MOED_MAXS + MOED_MAXSH];
@@ -946,6 +947,15 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
 #pragma unroll
         for (int i = 0; i < R; i++) cur[i] = nxt[i];
     }
+    // The next kernel's weights (pf0, pf1: its two first segments) asked into L2, a slice a
+    // block, once this block's own rows are in: the q/kv_a GEMV after a layer cannot be
+    // resident (and start its copies) until this kernel's blocks leave.
+    if (pf0 != nullptr) {
+        const long l0 = (pf0_bytes + 127) >> 7, lines = l0 + ((pf1_bytes + 127) >> 7);
+        const long a = lines * blockIdx.x / gridDim.x, b = lines * (blockIdx.x + 1) / gridDim.x;
+        for (long l = a + tid; l < b; l += blockDim.x)
+            moe_prefetch_l2(l < l0 ? pf0 + (l << 7) : pf1 + ((l - l0) << 7));
+    }
 #pragma unroll
     for (int i = 0; i < R; i++)
 #pragma unroll
@@ -981,37 +991,237 @@ __device__ void moe_down_dec_impl(T* out, T* res, const T* h, const u64* slot_pt
     extern "C" __global__ void __launch_bounds__(MOED_THREADS)                                                       \
         moe_down_dec_##WS##_n##N##_##S(T* out, T* res, const T* h, const u64* slot_ptr, const int* slot_cnt,        \
                                        const int* slot_tok, const float* slot_wt, const WT* sh_down, int n_routed,  \
-                                       int n_shared, int n, int d, int inter, int early) {                          \
+                                       int n_shared, int n, int d, int inter, int early, const u8* pf0,             \
+                                       long pf0_bytes, const u8* pf1, long pf1_bytes) {                             \
         moe_down_dec_impl<T, WT, N>(out, res, h, slot_ptr, slot_cnt, slot_tok, slot_wt, sh_down, n_routed, n_shared, \
-                                    n, d, inter, early);                                                             \
+                                    n, d, inter, early, pf0, pf0_bytes, pf1, pf1_bytes);                             \
     }
+
+// The routing kernels' parameters (one list: the host passes the same arguments to each).
+#define MOE_ROUTE_PARAMS(T)                                                                                          \
+    float *logits, unsigned *counter, u64 *slot_ptr, int *slot_cnt, int *slot_tok, float *slot_wt,                   \
+        unsigned long long *totals, unsigned *last, T *h, const T *x, const float *gain, float eps, const u8 *gate,   \
+        int gate_wt, long gate_row_bytes, const float *bias, const u64 *ptrs, int d, int E, int K, int n, int score, \
+        int n_group, int topk_group, int norm, float scaling, int n_slots, int early
 
 // The cluster routing (moe_route_decc_n<N>): blocks of MOED_EPBC experts, one cluster.
 #define MOED_EPBC 8
 #define MOE_ROUTE_CL(T, S, N)                                                                                        \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_decc_n##N##_##S(                            \
-        float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
-        unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
-        int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
-        int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {                             \
+        MOE_ROUTE_PARAMS(T)) {                                                                                       \
         moe_route_dec_impl<T, MOED_EPBC, N, true>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt, totals,    \
                                                   last, h, x, gain, eps, gate, gate_wt, gate_row_bytes, bias, ptrs, \
                                                   d, E, K, n, score, n_group, topk_group, norm, scaling, n_slots,   \
                                                   early);                                                            \
     }
 
+// The routing of one token (`moe_route1c`): one cluster of blocks of MOED_EPBC experts, up
+// to 64 experts, rows of at most 8 x 256 values, no group limit, top k <= 32. The same sums
+// in the same order as moe_route_dec_impl, in fewer steps: every block normalizes its copy of
+// the token (one chunk a thread) and writes its share of the normalized row, stores its
+// experts' logits straight into block 0's shared memory, and after one cluster barrier
+// block 0's first warp scores two experts a lane and takes the top k by k rounds of a warp
+// max (redux.sync); then each of the first E threads writes its expert's counters and, when
+// picked, its slot. What the table needs and no kernel writes (weights, gains, bias, the
+// experts' addresses) is loaded before the programmatic wait.
+__device__ __forceinline__ u32 moe_redux_max(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 moe_redux_min(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+// A float's order as an unsigned key (NaN as -inf); 0 is below every float's key.
+__device__ __forceinline__ u32 moe_key(float v) {
+    if (v != v) v = NEG_INF;
+    const u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float moe_score(int score, float l) {
+    if (score == SCORE_SQRTSOFTPLUS) return sqrtf(fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l))));
+    return 1.0f / (1.0f + expf(-l));
+}
+
+template <typename T>
+__device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,
+                                unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain,
+                                float eps, const u8* gate, int gate_wt, long gate_row_bytes, const float* bias,
+                                const u64* ptrs, int d, int E, int K, int score, int norm, float scaling,
+                                int n_slots) {
+    __shared__ float lg[64];
+    __shared__ float red[MOED_THREADS / 32][MOED_EPBC];
+    __shared__ int cid[32];
+    __shared__ float cw[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int e0 = blockIdx.x * MOED_EPBC, ne = min(MOED_EPBC, E - e0), nch = d >> 3;
+    const bool mine = tid < nch;
+    const int wb = gate_wt == WT_F32 ? 4 : 2;
+    uint4 graw[MOED_EPBC][2];
+    float g8[8];
+#pragma unroll
+    for (int i = 0; i < MOED_EPBC; i++) {
+        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
+        if (i < ne && mine) {
+            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
+            graw[i][0] = p[0];
+            if (gate_wt == WT_F32) graw[i][1] = p[1];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) g8[j] = gain != nullptr && mine ? gain[tid * 8 + j] : 0.0f;
+    u64 my_ptr[3] = {0, 0, 0};
+    if (tid < E) {
+        my_ptr[0] = ptrs[tid];
+        my_ptr[1] = ptrs[E + tid];
+        my_ptr[2] = ptrs[2 * E + tid];
+    }
+    float b0 = 0.0f, b1 = 0.0f;
+    if (warp == 0 && bias != nullptr) {
+        if (lane < E) b0 = bias[lane];
+        if (lane + 32 < E) b1 = bias[lane + 32];
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    const unsigned long long my_total = tid < E ? totals[tid] : 0ull;
+    float xv[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) xv[j] = 0.0f;
+    if (mine) act_load8(x + (long)tid * 8, xv);
+    if (gain != nullptr) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) ss = fmaf(xv[j], xv[j], ss);
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp][0] = ss;
+        __syncthreads();
+        float sum = 0.0f;
+        for (int w = 0; w < MOED_THREADS / 32; w++) sum += red[w][0];
+        const float rstd = 1.0f / sqrtf(sum / (float)d + eps);
+#pragma unroll
+        for (int j = 0; j < 8; j++) xv[j] = act_round(x, xv[j] * rstd * g8[j]);
+        // this block's share of the normalized row, as the RMSNorm kernel writes it
+        if (mine && tid % gridDim.x == blockIdx.x)
+#pragma unroll
+            for (int j = 0; j < 8; j++) act_store(h, (long)tid * 8 + j, xv[j]);
+        __syncthreads();  // red is reused
+    }
+    di_trace_phase(0);
+    float acc[MOED_EPBC];
+#pragma unroll
+    for (int i = 0; i < MOED_EPBC; i++) {
+        acc[i] = 0.0f;
+        if (i < ne && mine) {
+            float wv[8];
+            moe_gate_cvt(gate_wt, graw[i], wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i] = fmaf(xv[j], wv[j], acc[i]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MOED_EPBC; i++) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0) red[warp][i] = v;
+    }
+    __syncthreads();
+    if (tid < ne) {
+        float v = 0.0f;
+        for (int w = 0; w < MOED_THREADS / 32; w++) v += red[w][tid];
+        // into block 0's logits
+        const u32 a = cluster_addr((u32)__cvta_generic_to_shared(&lg[e0 + tid]), 0);
+        asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+    }
+    di_trace_phase(1);
+    cluster_sync();
+    if (blockIdx.x != 0) return;
+    di_trace_phase(2);
+    if (warp == 0) {
+        const bool ok0 = lane < E, ok1 = lane + 32 < E;
+        float v0 = ok0 ? lg[lane] : 0.0f, v1 = ok1 ? lg[lane + 32] : 0.0f;
+        if (score == SCORE_SOFTMAX) {
+            float mx = NEG_INF;
+            if (ok0) mx = fmaxf(mx, v0);
+            if (ok1) mx = fmaxf(mx, v1);
+            mx = warp_max(mx);
+            float sum = 0.0f;
+            if (ok0) sum += expf(v0 - mx);
+            if (ok1) sum += expf(v1 - mx);
+            sum = warp_sum(sum);
+            v0 = expf(v0 - mx) / sum;
+            v1 = expf(v1 - mx) / sum;
+        } else {
+            v0 = moe_score(score, v0);
+            v1 = moe_score(score, v1);
+        }
+        u32 k0 = ok0 ? moe_key(v0 + b0) : 0u, k1 = ok1 ? moe_key(v1 + b1) : 0u;
+        int my_id = 0;
+        float my_w = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const u32 m = moe_redux_max(max(k0, k1));
+            const u32 win = moe_redux_min(k0 == m ? (u32)lane : k1 == m ? (u32)lane + 32u : 0xffffffffu);
+            const float w = __shfl_sync(0xffffffffu, win < 32u ? v0 : v1, (int)(win & 31u));
+            if (win == (u32)lane) k0 = 0u;
+            if (win == (u32)lane + 32u) k1 = 0u;
+            if (lane == j) {
+                my_id = (int)win;
+                my_w = w;
+            }
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < K; j++) sum += __shfl_sync(0xffffffffu, my_w, j);
+        if (norm) my_w /= sum + 1e-20f;
+        if (lane < K) {
+            cid[lane] = my_id;
+            cw[lane] = my_w * scaling;
+        }
+    }
+    __syncthreads();
+    di_trace_phase(3);
+    if (tid < E) {
+        int s = 0, c = 0;
+        float w = 0.0f;
+        for (int j = 0; j < K; j++) {
+            const int id = cid[j];
+            s += id < tid;
+            if (id == tid) {
+                c = 1;
+                w = cw[j];
+            }
+        }
+        last[tid] = (unsigned)c;
+        totals[tid] = my_total + (unsigned long long)c;
+        if (c) {
+            slot_ptr[3 * s] = my_ptr[0];
+            slot_ptr[3 * s + 1] = my_ptr[1];
+            slot_ptr[3 * s + 2] = my_ptr[2];
+            slot_cnt[s] = 1;
+            slot_tok[s * MOED_MAXN] = 0;
+            slot_wt[s * MOED_MAXN] = w;
+        }
+    }
+    for (int q = K + tid; q < n_slots; q += blockDim.x) slot_cnt[q] = 0;
+    di_trace_phase(4);
+}
+
+#define MOE_ROUTE1(T, S)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route1c_##S(                                      \
+        MOE_ROUTE_PARAMS(T)) {                                                                                       \
+        moe_route1_impl<T>(slot_ptr, slot_cnt, slot_tok, slot_wt, totals, last, h, x, gain, eps, gate, gate_wt,      \
+                           gate_row_bytes, bias, ptrs, d, E, K, score, norm, scaling, n_slots);                      \
+    }
+
 #define MOE_DEC_ALL(T, S)                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_dec_##S(                                    \
-        float* logits, unsigned* counter, u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,               \
-        unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain, float eps, const u8* gate,   \
-        int gate_wt, long gate_row_bytes, const float* bias, const u64* ptrs, int d, int E, int K, int n, int score, \
-        int n_group, int topk_group, int norm, float scaling, int n_slots, int early) {                             \
+        MOE_ROUTE_PARAMS(T)) {                                                                                       \
         moe_route_dec_impl<T, MOED_EPB, MOED_MAXN, false>(logits, counter, slot_ptr, slot_cnt, slot_tok, slot_wt,      \
                                                           totals, last, h, x, gain, eps, gate, gate_wt,             \
                                                           gate_row_bytes, bias, ptrs, d, E, K, n, score, n_group,   \
                                                           topk_group, norm, scaling, n_slots, early);               \
     }                                                                                                                \
     MOE_ROUTE_CL(T, S, 1)                                                                                            \
+    MOE_ROUTE1(T, S)                                                                                                 \
     MOE_ROUTE_CL(T, S, 8)                                                                                            \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 1)                                                                           \
     MOE_DEC_WRAPPERS(T, S, float, wf32, 8)                                                                           \

@@ -272,6 +272,7 @@ fn decode_fused(
         grid: [splits as u32, p.n_kv_heads as u32, step.n_tokens as u32],
         block: 128,
         cluster: splits as u32,
+        smem: 0,
         args: vec![
             out,
             q,

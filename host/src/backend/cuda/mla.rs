@@ -240,6 +240,7 @@ pub(crate) fn attention(
             grid: [c as u32, heads as u32, n as u32],
             block: 256,
             cluster: c as u32,
+            smem: 0,
             args: vec![
                 out.ptr(),
                 q.ptr(),
@@ -374,6 +375,11 @@ mod tests {
         assert!(Ds2::parse("decode,fast").is_err());
         let d = Ds2::parse("shared").unwrap();
         assert!(d.shared && !d.decode && !d.down_prefetch);
+        const { assert!(Ds2::DEFAULT.route1 && !Ds2::DEFAULT.next_l2 && !Ds2::DEFAULT.own_sm) };
+        let d = Ds2::parse("cluster,route1,nextl2,ownsm").unwrap();
+        assert!(d.cluster && d.route1 && d.next_l2 && d.own_sm && !d.route);
+        let e = Ds2::parse("all,route1").unwrap_err().to_string();
+        assert!(e.contains("`all`"), "{e}");
     }
 
     #[test]

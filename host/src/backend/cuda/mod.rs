@@ -158,6 +158,15 @@ pub struct Ds2 {
     /// `moe_route_decc`: the routing of up to 64 experts as one thread-block cluster (block 0
     /// gathers the logits from the others' shared memory; no fence and arrival counter).
     pub cluster: bool,
+    /// `moe_route_decc` asking for the rest of its SMs' shared memory, so no other kernel's
+    /// blocks (the shared experts' gate/up) share them while it routes.
+    pub own_sm: bool,
+    /// The decode down projection asking the next layer's q/kv_a weights into L2 as its
+    /// blocks finish (`moe::link_next_weights`).
+    pub next_l2: bool,
+    /// `moe_route1c` for one token (with `cluster`, within its bounds): 2.176 against 2.346 /
+    /// 2.363 ms a Moonlight-shape batch-1 step on the H200 (one call).
+    pub route1: bool,
 }
 
 impl Ds2 {
@@ -169,11 +178,18 @@ impl Ds2 {
         down_prefetch: true,
         shared: true,
         cluster: true,
+        own_sm: true,
+        next_l2: true,
+        route1: true,
     };
     /// What runs unless `DEEPINFER_CUDA_DS2` says otherwise: all but the down projection's
-    /// L2 prefetch.
+    /// L2 prefetches and the routing's SM reservation, none of which measured faster on the
+    /// H200 (Moonlight shape, batch 1, one call: `nextl2` 2.332, `ownsm` 2.324 against 2.346 /
+    /// 2.363 ms without either; `route1` 2.176 ms, the three with `DI_X_EVICT` 2.191 ms).
     pub const DEFAULT: Ds2 = Ds2 {
         down_prefetch: false,
+        own_sm: false,
+        next_l2: false,
         ..Ds2::ALL
     };
     pub const NONE: Ds2 = Ds2 {
@@ -184,6 +200,9 @@ impl Ds2 {
         down_prefetch: false,
         shared: false,
         cluster: false,
+        own_sm: false,
+        next_l2: false,
+        route1: false,
     };
 
     /// Unset, empty or `1`: [`Ds2::DEFAULT`]; `all`: all; `0` / `none`: none; else a comma-separated list of
@@ -205,9 +224,12 @@ impl Ds2 {
                 "prefetch" => d.down_prefetch = true,
                 "shared" => d.shared = true,
                 "cluster" => d.cluster = true,
+                "ownsm" => d.own_sm = true,
+                "nextl2" => d.next_l2 = true,
+                "route1" => d.route1 = true,
                 other => {
                     return Err(Error::BadConfig(format!(
-                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch, shared, cluster \
+                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch, shared, cluster, ownsm, nextl2, route1 \
                          (or use 1 / all, 0 / none)"
                     )))
                 }
@@ -254,6 +276,7 @@ impl CudaOptions {
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
+        module::kernel_defines()?;
         match std::env::var("DEEPINFER_CUDA_ACT").ok().as_deref() {
             None | Some("") | Some("auto") => {}
             Some("f32") => o.act = Some(Act::F32),
@@ -536,6 +559,7 @@ impl CudaBackend {
         let mut module = Module::load(&ctx)?;
         module.pdl &= opts.pdl;
         let mut queue = Queue::new(opts.graphs);
+        queue.next_l2 = opts.ds2.next_l2;
         if let (Some(path), Some(table)) = (trace::requested(), module.trace_table) {
             queue.tracer = Some(trace::Tracer::new(path, table)?);
         }

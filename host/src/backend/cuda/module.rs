@@ -41,11 +41,52 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// NVRTC options besides the architecture.
 const OPTIONS: &[&str] = &["-std=c++17", "--extra-device-vectorization"];
 
+/// `DEEPINFER_CUDA_DEFINE`: a comma-separated list of `NAME` or `NAME=VALUE` macros the
+/// kernels are compiled with (kernel experiments: an image of its own, cached by its hash).
+/// Names are C identifiers, values letters, digits, `_`, `.` and `-`.
+pub fn kernel_defines() -> Result<Vec<(String, String)>> {
+    match std::env::var("DEEPINFER_CUDA_DEFINE") {
+        Ok(v) => parse_defines(&v),
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
+/// [`kernel_defines`]'s list parsed.
+pub fn parse_defines(v: &str) -> Result<Vec<(String, String)>> {
+    let ident = |s: &str| {
+        s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let mut out = Vec::new();
+    for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (name, value) = part.split_once('=').unwrap_or((part, "1"));
+        let (name, value) = (name.trim(), value.trim());
+        let value_ok = !value.is_empty()
+            && value
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+        if !ident(name) || !value_ok {
+            return Err(Error::BadConfig(format!(
+                "DEEPINFER_CUDA_DEFINE={v}: `{part}` is not NAME or NAME=VALUE (a C identifier; \
+                 a value of letters, digits, `_`, `.`, `-`)"
+            )));
+        }
+        out.push((name.to_string(), value.to_string()));
+    }
+    Ok(out)
+}
+
 /// The whole translation unit.
 pub fn source() -> String {
     let mut s = String::new();
     if super::trace::requested().is_some() {
         s.push_str("#define DEEPINFER_TRACE 1\n");
+    }
+    // (an invalid list is reported by `compile` and by the backend's options)
+    for (name, value) in kernel_defines().unwrap_or_default() {
+        s.push_str(&format!("#define {name} {value}\n"));
     }
     for (name, text) in SOURCES {
         s.push_str(&format!("// ---- {name} ----\n"));
@@ -164,6 +205,7 @@ fn compile_source(src: &str, target: &str) -> Result<Vec<u8>> {
 /// Compiles the kernels for `target` with NVRTC (no cache): a cubin for `sm_XY`, PTX text
 /// for `compute_XY`.
 pub fn compile(target: &str) -> Result<Vec<u8>> {
+    kernel_defines()?;
     compile_source(&source(), target)
 }
 
@@ -341,6 +383,13 @@ pub struct DeepseekKernels {
     /// `moe_route_dec` as one thread-block cluster (`Ds2::cluster`), for 1 and for up to 8
     /// tokens.
     pub moe_route_decc: [KernelId; 2],
+    /// `moe_route1c`: the routing of one token in fewer steps (`Ds2::route1`; up to 64
+    /// experts, rows of at most 2048, no group limit, top k at most 32).
+    pub moe_route1c: KernelId,
+    /// Dynamic shared memory that fills an SM beside the cluster routing's own (`Ds2::own_sm`:
+    /// no other kernel's block shares the routing's SMs), bytes, for `moe_route_decc` (1, 8
+    /// tokens) and `moe_route1c`; 0 where it could not be set.
+    pub route_own_smem: [u32; 3],
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -551,6 +600,8 @@ impl Module {
                 moe_combine: n("moe_combine")?,
                 moe_route_dec: n("moe_route_dec")?,
                 moe_route_decc: [n("moe_route_decc_n1")?, n("moe_route_decc_n8")?],
+                moe_route1c: n("moe_route1c")?,
+                route_own_smem: [0; 3],
                 moe_gu_dec: [
                     [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
                     [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
@@ -561,7 +612,7 @@ impl Module {
                 ],
             })
         };
-        let deepseek = [ds("f32")?, ds("bf16")?];
+        let mut deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
@@ -605,6 +656,29 @@ impl Module {
                 )
             }
             .map_err(|e| cuda_err("raising a kernel's shared memory limit", e))?;
+        }
+        for ds in deepseek.iter_mut() {
+            let kernels = [ds.moe_route_decc[0], ds.moe_route_decc[1], ds.moe_route1c];
+            for (k, own) in kernels.iter().zip(ds.route_own_smem.iter_mut()) {
+                let f = funcs[k.0 as usize].cu_function();
+                // SAFETY: `f` is a kernel of the loaded module; the value set is within the
+                // device's opt-in limit less the kernel's static shared memory.
+                let fill = unsafe {
+                    use cudarc::driver::result::function as func;
+                    use sys::CUfunction_attribute_enum as A;
+                    func::get_function_attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                        .and_then(|st| {
+                            let fill = max_smem.saturating_sub(st.max(0) as usize) as i32;
+                            func::set_function_attribute(
+                                f,
+                                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                fill,
+                            )
+                            .map(|()| fill)
+                        })
+                };
+                *own = fill.map_or(0, |b| b as u32);
+            }
         }
         Ok(Module {
             funcs,
@@ -678,6 +752,7 @@ mod tests {
             "gemts_t64",
             "moe_route_dec_bf16",
             "moe_route_decc_n1_bf16",
+            "moe_route1c_bf16",
             "moe_down_dec_wbf16_n8_bf16",
         ] {
             assert!(
@@ -703,6 +778,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("sm_90") && e.contains("error"), "{e}");
+    }
+
+    #[test]
+    fn kernel_defines_parse() {
+        let d = parse_defines(" DI_X_EVICT, R=4 ,,V=1.5e-3").unwrap();
+        let want = [("DI_X_EVICT", "1"), ("R", "4"), ("V", "1.5e-3")];
+        assert_eq!(d.len(), want.len());
+        for ((n, v), (wn, wv)) in d.iter().zip(want) {
+            assert_eq!((n.as_str(), v.as_str()), (wn, wv));
+        }
+        assert!(parse_defines("").unwrap().is_empty());
+        for bad in ["1X", "A=", "A=b c", "A;B", "X=\"q\""] {
+            let e = parse_defines(bad).unwrap_err().to_string();
+            assert!(e.contains("DEEPINFER_CUDA_DEFINE"), "{bad}: {e}");
+        }
     }
 
     #[test]

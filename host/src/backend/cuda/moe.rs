@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
+use super::module::Module;
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::weights::WType;
@@ -445,12 +446,31 @@ fn forward_decode(
         slots as u64,
         inner.opts.ds2.route as u64,
     ];
+    // the one-token routing in fewer steps, where its bounds allow
+    let grouped = cfg.n_group > 1 && cfg.topk_group < cfg.n_group;
+    let lean = inner.opts.ds2.route1
+        && n == 1
+        && e <= 64
+        && k <= 32
+        && d.is_multiple_of(8)
+        && d <= 2048
+        && !grouped;
+    let ki = if lean { 2 } else { ti };
     if clustered {
         inner.push(Op::Cluster {
-            kernel: kern.moe_route_decc[ti],
+            kernel: if lean {
+                kern.moe_route1c
+            } else {
+                kern.moe_route_decc[ti]
+            },
             grid: [cluster as u32, 1, 1],
             block: DEC_THREADS,
             cluster: cluster as u32,
+            smem: if inner.opts.ds2.own_sm {
+                kern.route_own_smem[ki]
+            } else {
+                0
+            },
             args,
         });
     } else {
@@ -519,6 +539,11 @@ fn forward_decode(
             d as u64,
             inter as u64,
             inner.opts.ds2.down_prefetch as u64,
+            // the next kernel's weights to ask into L2 (see `link_next_weights`)
+            0,
+            0,
+            0,
+            0,
         ],
     );
     layer.count_device_step();
@@ -539,10 +564,11 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
         return false;
     };
-    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early.
+    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early, then the
+    // prefetch ranges.
     let down = kern.moe_down_dec.iter().flatten().any(|k| *k == *kernel);
     if down
-        && args.len() == 14
+        && args.len() == DOWN_ARGS
         && args[0] == y
         && args[1] == 0
         && (args[10] * args[11]) as usize == len
@@ -553,6 +579,40 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
         return true;
     }
     false
+}
+
+/// Parameters of `moe_down_dec`: out, res, h, the slot table (4), shared down, n_routed,
+/// n_shared, n, d, inter, early, then (pf0, pf0_bytes, pf1, pf1_bytes) from 14.
+const DOWN_ARGS: usize = 18;
+
+/// `Ds2::next_l2`: a decode down projection directly followed by a one-token GEMV of staged
+/// rows (`gemvp*`: the next layer's q/kv_a) asks that GEMV's first two weight segments into
+/// L2 as its blocks finish, since the GEMV's blocks cannot be resident (and start their
+/// copies) until the down projection's leave. Run on a pass before it executes; the same pass
+/// gives the same arguments, so captured graphs still match.
+pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module) {
+    let Some(gemvp) = m.bf16.gemvp else {
+        return;
+    };
+    for i in 1..ops.len() {
+        let (a, b) = ops.split_at_mut(i);
+        let (Some(Op::Launch { kernel, args, .. }), Some(Op::Gemv(g))) = (a.last_mut(), b.first())
+        else {
+            continue;
+        };
+        let down = m
+            .deepseek
+            .iter()
+            .flat_map(|k| k.moe_down_dec.iter().flatten())
+            .any(|k| k == kernel);
+        if !down || args.len() != DOWN_ARGS || !gemvp.contains(&g.kernel) {
+            continue;
+        }
+        for (j, seg) in g.p.segs.iter().take(2).enumerate() {
+            args[14 + 2 * j] = seg.0;
+            args[15 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
+        }
+    }
 }
 
 /// The layer's load counters: the device's when it ran there, else the host's.

@@ -166,6 +166,7 @@ pub enum Op {
         grid: [u32; 3],
         block: u32,
         cluster: u32,
+        smem: u32,
         args: Vec<u64>,
     },
     Gemv(Gemv),
@@ -218,6 +219,8 @@ pub struct Queue {
     pub stats: QueueStats,
     /// The kernel timeline asked for (`DEEPINFER_CUDA_TRACE`).
     pub tracer: Option<super::trace::Tracer>,
+    /// `Ds2::next_l2`: passes go through `moe::link_next_weights` before they run.
+    pub next_l2: bool,
 }
 
 impl Queue {
@@ -229,6 +232,7 @@ impl Queue {
             graphs_enabled,
             timing: false,
             tracer: None,
+            next_l2: false,
             stats: QueueStats::default(),
         }
     }
@@ -304,7 +308,10 @@ impl Queue {
         if self.ops.is_empty() {
             return Ok(());
         }
-        let ops = std::mem::take(&mut self.ops);
+        let mut ops = std::mem::take(&mut self.ops);
+        if self.next_l2 {
+            super::moe::link_next_weights(&mut ops, m);
+        }
         self.stats.flushes += 1;
         self.stats.ops += ops.len() as u64;
         let lead = ops
@@ -490,8 +497,11 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
             grid,
             block,
             cluster,
+            smem,
             args,
-        } => launch(m, stream, pdl, *cluster, *kernel, *grid, *block, 0, args),
+        } => launch(
+            m, stream, pdl, *cluster, *kernel, *grid, *block, *smem, args,
+        ),
         Op::Add { kernel, x, y, n } => {
             let grid = elementwise_grid(*n);
             launch(
