@@ -38,14 +38,29 @@ if [ -z "$nvrtc_dir" ] && ! ldconfig -p 2>/dev/null | grep -q libnvrtc; then
     nvrtc_dir=$(find dev-out/nvrtc -name 'libnvrtc.so*' -printf '%h\n' 2>/dev/null | head -1)
     [ -z "$nvrtc_dir" ] || nvrtc_dir="$root/$nvrtc_dir"
 fi
-tmp_cache=$(mktemp -d)
-if ptx=$(LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" DEEPINFER_CACHE="$tmp_cache" \
-    target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-sm_90}" 2>"$tmp_cache/err"); then
-    xz -T2 -6 -c "$ptx" >"$out/ptx/$(basename "$ptx").xz"
-else
-    echo "gpu-pack: no kernels compiled here ($(tail -1 "$tmp_cache/err")); the device compiles the kernels on its first run" >&2
-fi
-rm -rf "$tmp_cache"
+# Further images on request, each picked on the device by the same variables:
+#   DEEPINFER_PACK_TRACE=1          the traced kernels (DEEPINFER_CUDA_TRACE)
+#   DEEPINFER_PACK_DEFINES="A B=2,C" one image per space-separated DEEPINFER_CUDA_DEFINE list
+# ("-" in the list stands for the plain image; with TRACE each list is compiled traced too).
+variants=("-")
+for d in ${DEEPINFER_PACK_DEFINES:-}; do [ "$d" = "-" ] || variants+=("$d"); done
+traces=("")
+[ -z "${DEEPINFER_PACK_TRACE:-}" ] || traces+=("x")
+for tr in "${traces[@]}"; do
+    for d in "${variants[@]}"; do
+        [ "$d" = "-" ] && d=""
+        tmp_cache=$(mktemp -d)
+        if ptx=$(LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" DEEPINFER_CACHE="$tmp_cache" \
+            DEEPINFER_CUDA_TRACE="$tr" DEEPINFER_CUDA_DEFINE="$d" \
+            target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-sm_90}" 2>"$tmp_cache/err"); then
+            xz -T2 -6 -c "$ptx" >"$out/ptx/$(basename "$ptx").xz"
+            echo "gpu-pack: kernels${tr:+ traced}${d:+ with $d}: $(basename "$ptx")" >&2
+        else
+            echo "gpu-pack: no kernels compiled here ($(tail -1 "$tmp_cache/err")); the device compiles the kernels on its first run" >&2
+        fi
+        rm -rf "$tmp_cache"
+    done
+done
 # Benchmark records name the commit the binary was built from (HEAD at build time); a tree with
 # uncommitted changes is more than that commit, so the pack says what it was built from.
 {

@@ -206,7 +206,8 @@ impl Ds2 {
     };
 
     /// Unset, empty or `1`: [`Ds2::DEFAULT`]; `all`: all; `0` / `none`: none; else a comma-separated list of
-    /// `decode`, `absorb`, `vup`, `route`, `prefetch`, `shared`, `cluster`: those only.
+    /// `decode`, `absorb`, `vup`, `route`, `prefetch`, `shared`, `cluster`, `ownsm`, `nextl2`,
+    /// `route1`: those only.
     pub fn parse(v: &str) -> Result<Ds2> {
         match v {
             "" | "1" => return Ok(Ds2::DEFAULT),
@@ -273,7 +274,8 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
-    /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]).
+    /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]). The kernels'
+    /// `DEEPINFER_CUDA_DEFINE` list (see [`module::kernel_defines`]) is checked here too.
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
         module::kernel_defines()?;
