@@ -77,6 +77,12 @@ __device__ __forceinline__ void moe_gate_cvt(int wt, const uint4* raw, float* o)
     }
 }
 
+// The elementwise scores (sigmoid, sqrt-softplus) of a router logit.
+__device__ __forceinline__ float moe_score(int score, float l) {
+    if (score == SCORE_SQRTSOFTPLUS) return sqrtf(fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l))));
+    return 1.0f / (1.0f + expf(-l));
+}
+
 // One warp scores a token's router logits sc[0, E) in place and picks its top K as the host's
 // `moe::route` (correction bias, group limit, normalization, scaling): experts chosen[j] with
 // weights wsel[j], written by lane 0. ch, gs and gtaken are its scratch (shared memory).
@@ -93,13 +99,8 @@ __device__ void moe_pick(float* sc, float* ch, float* gs, unsigned char* gtaken,
         sum = warp_sum(sum);
         __syncwarp();
         for (int e = lane; e < E; e += 32) sc[e] = expf(sc[e] - mx) / sum;
-    } else if (score == SCORE_SQRTSOFTPLUS) {
-        for (int e = lane; e < E; e += 32) {
-            const float l = sc[e];
-            sc[e] = sqrtf(fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l))));
-        }
     } else {
-        for (int e = lane; e < E; e += 32) sc[e] = 1.0f / (1.0f + expf(-sc[e]));
+        for (int e = lane; e < E; e += 32) sc[e] = moe_score(score, sc[e]);
     }
     // (NaN ranks as -inf, so the ranks below are a permutation: every chosen[j] is written once)
     for (int e = lane; e < E; e += 32) {
@@ -455,6 +456,24 @@ __device__ __forceinline__ void moe_load_cg(const bf16_t* p, float* o, int ce) {
     }
 }
 
+// Thread tid's first 16 (f32: 32) bytes of the gate rows of experts e0 .. e0 + ne (the
+// routing kernels load them before the programmatic wait: no kernel writes them).
+template <int EPB>
+__device__ __forceinline__ void moe_gate_first(uint4 (&graw)[EPB][2], const u8* gate, int gate_wt,
+                                               long gate_row_bytes, int e0, int ne, bool mine) {
+    const int wb = gate_wt == WT_F32 ? 4 : 2;
+#pragma unroll
+    for (int i = 0; i < EPB; i++) {
+        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
+        if (i < ne && mine) {
+            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes +
+                                                            (long)threadIdx.x * 8 * wb);
+            graw[i][0] = p[0];
+            if (gate_wt == WT_F32) graw[i][1] = p[1];
+        }
+    }
+}
+
 // The RMSNorm scales of the n rows of x (d values, 8 a load): rstd[t] = 1 / sqrt(mean(x^2) +
 // eps) for every thread, the same sums in the same order in each kernel that calls it (256
 // threads). `red` holds [warps][stride] floats; ends with a barrier.
@@ -523,15 +542,7 @@ __device__ void moe_route_dec_impl(float* logits, unsigned* counter, u64* slot_p
     // The first chunk of each gate row is no earlier kernel's output: loaded before the wait
     // (raw), the rest on its way to L2.
     uint4 graw[EPB][2];
-#pragma unroll
-    for (int i = 0; i < EPB; i++) {
-        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
-        if (i < ne && tid < nch) {
-            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
-            graw[i][0] = p[0];
-            if (gate_wt == WT_F32) graw[i][1] = p[1];
-        }
-    }
+    moe_gate_first<EPB>(graw, gate, gate_wt, gate_row_bytes, e0, ne, tid < nch);
     for (int c = tid + blockDim.x; c < nch; c += blockDim.x)
         for (int i = 0; i < ne; i++) moe_prefetch_l2(gate + (long)(e0 + i) * gate_row_bytes + (long)c * 8 * wb);
     // the norm's gains of this thread's first chunk (no kernel writes them)
@@ -1040,10 +1051,6 @@ __device__ __forceinline__ u32 moe_key(float v) {
     const u32 b = __float_as_uint(v);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
-__device__ __forceinline__ float moe_score(int score, float l) {
-    if (score == SCORE_SQRTSOFTPLUS) return sqrtf(fmaxf(l, 0.0f) + log1pf(expf(-fabsf(l))));
-    return 1.0f / (1.0f + expf(-l));
-}
 
 template <typename T>
 __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,
@@ -1058,18 +1065,9 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int e0 = blockIdx.x * MOED_EPBC, ne = min(MOED_EPBC, E - e0), nch = d >> 3;
     const bool mine = tid < nch;
-    const int wb = gate_wt == WT_F32 ? 4 : 2;
     uint4 graw[MOED_EPBC][2];
+    moe_gate_first<MOED_EPBC>(graw, gate, gate_wt, gate_row_bytes, e0, ne, mine);
     float g8[8];
-#pragma unroll
-    for (int i = 0; i < MOED_EPBC; i++) {
-        graw[i][0] = graw[i][1] = make_uint4(0, 0, 0, 0);
-        if (i < ne && mine) {
-            const uint4* p = reinterpret_cast<const uint4*>(gate + (long)(e0 + i) * gate_row_bytes + (long)tid * 8 * wb);
-            graw[i][0] = p[0];
-            if (gate_wt == WT_F32) graw[i][1] = p[1];
-        }
-    }
 #pragma unroll
     for (int j = 0; j < 8; j++) g8[j] = gain != nullptr && mine ? gain[tid * 8 + j] : 0.0f;
     u64 my_ptr[3] = {0, 0, 0};
