@@ -350,23 +350,18 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 // chunks, one warp reduction.
 #define GEMVP_ROWS 8
 #define GEMVP_MAXK 2048
+// Wide blocks (`gemvp<mode>_bf16w_n1_r32_bf16`): 4 rows a warp, 32 a block, in 136 KB of
+// dynamic shared memory, so a matrix of up to 32 rows an SM (the q/kv_a and o projections of
+// a 2048-wide model) is one block an SM and every block can be resident, its rows copying,
+// while the kernel before it runs.
+#define GEMVP_WIDE_RPW 4
 
-template <int MODE>
-__device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
-                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
-                                           long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
-    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0;
-    constexpr int R = GEMVP_ROWS;
-    __shared__ __align__(16) uint4 wbuf[R * GEMVP_MAXK / 8];
-    __shared__ __align__(16) float xs[GEMVP_MAXK];
-    __shared__ float red[GEMVB_THREADS / 32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nch = k >> 3;
-    // Row `warp` of this block: its segment, its index there (as gemvb_impl finds them).
-    const long gr = (long)blockIdx.x * R + warp;
-    const u8* wr = w0;
-    bf16_t* yr = y0;
-    long rr = gr;
+// Row `gr` of the up to three segments: its weights, output and index there (as gemvb_impl
+// finds them); ok false past the last.
+__device__ __forceinline__ bool gemvp_row(long gr, const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                          bf16_t* y2, int m0, int m1, int m2, long row_bytes, const u8*& wr,
+                                          bf16_t*& yr, long& rr) {
+    wr = w0; yr = y0; rr = gr;
     bool ok = true;
     if (gr < m0) {
     } else if (gr < (long)m0 + m1) {
@@ -378,13 +373,49 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
         rr = 0;
     }
     wr += rr * row_bytes;
-    // Each warp copies its own row: lane l takes chunks l, l + 32, ...
-    for (int c = lane; c < nch; c += 32) cp_async16_w(&wbuf[warp * nch + c], wr + (long)c * 16, ok);
+    return ok;
+}
+
+template <int MODE, int RPW>
+__device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
+                                           long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
+    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0;
+    constexpr int R = GEMVP_ROWS * RPW;
+    uint4* wbuf;
+    float* xs;
+    if constexpr (RPW == 1) {
+        __shared__ __align__(16) uint4 wst[R * GEMVP_MAXK / 8];
+        __shared__ __align__(16) float xst[GEMVP_MAXK];
+        wbuf = wst;
+        xs = xst;
+    } else {
+        extern __shared__ __align__(16) uint4 gemvp_dyn[];
+        wbuf = gemvp_dyn;
+        xs = reinterpret_cast<float*>(gemvp_dyn + R * GEMVP_MAXK / 8);
+    }
+    __shared__ float red[GEMVB_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nch = k >> 3;
+    // Rows warp * RPW .. + RPW of this block; each warp copies its own rows: lane l takes
+    // chunks l, l + 32, ...
+    const u8* wr[RPW];
+    bf16_t* yr[RPW];
+    long rr[RPW];
+    bool ok[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        ok[j] = gemvp_row((long)blockIdx.x * R + warp * RPW + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, row_bytes,
+                          wr[j], yr[j], rr[j]);
+        for (int c = lane; c < nch; c += 32)
+            cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
+    }
     cp_async_commit();
     pdl_launch_dependents();
     pdl_wait();
-    float resv = 0.0f;
-    if (ACC && ok && lane == 0) resv = act_load(res, rr);
+    float resv[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) resv[j] = ACC && ok[j] && lane == 0 ? act_load(res, rr[j]) : 0.0f;
     // The input (times the gain), and its sum of squares.
     float ss = 0.0f;
     for (int c = tid; c < nch; c += blockDim.x) {
@@ -424,36 +455,43 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
                 act_store(h, e, act_load(x, e) * rstd * g[e]);
             }
     }
-    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const uint4* wrow = &wbuf[(warp * RPW + j) * nch];
+        float acc = 0.0f;
 #pragma unroll 4
-    for (int c = lane; c < nch; c += 32) {
-        float wf[8];
-        bf16x8_to_f32(wbuf[warp * nch + c], wf);
-        const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
-        const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
-        acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
-        acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
-        acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
-        acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
-    }
-    acc = warp_sum(acc);
-    if (ok && lane == 0) {
-        const float s = acc * rstd;
-        act_store(yr, rr, s);
-        if (ACC) act_store(res, rr, resv + act_round(yr, s));
+        for (int c = lane; c < nch; c += 32) {
+            float wf[8];
+            bf16x8_to_f32(wrow[c], wf);
+            const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
+            const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
+            acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
+            acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
+            acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
+            acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
+        }
+        acc = warp_sum(acc);
+        if (ok[j] && lane == 0) {
+            const float s = acc * rstd;
+            act_store(yr[j], rr[j], s);
+            if (ACC) act_store(res, rr[j], resv[j] + act_round(yr[j], s));
+        }
     }
     di_trace_phase(1);
 }
 
-#define GEMVP_WRAPPER(MODE, MS)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvp##MS##_bf16w_n1_r8_bf16(                    \
+#define GEMVP_WRAPPER(MODE, MS, RPW, RS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMVB_THREADS) gemvp##MS##_bf16w_n1_r##RS##_bf16(               \
         const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1, bf16_t* y2, int m0, int m1, int m2,     \
         const bf16_t* x, int n, int k, long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {       \
-        gemvp_impl<MODE>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, k, row_bytes, g, eps, h, res);                   \
+        gemvp_impl<MODE, RPW>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, k, row_bytes, g, eps, h, res);              \
     }
-GEMVP_WRAPPER(GEMVB_PLAIN, )
-GEMVP_WRAPPER(GEMVB_NORM, n)
-GEMVP_WRAPPER(GEMVB_ACC, a)
+GEMVP_WRAPPER(GEMVB_PLAIN, , 1, 8)
+GEMVP_WRAPPER(GEMVB_NORM, n, 1, 8)
+GEMVP_WRAPPER(GEMVB_ACC, a, 1, 8)
+GEMVP_WRAPPER(GEMVB_PLAIN, , GEMVP_WIDE_RPW, 32)
+GEMVP_WRAPPER(GEMVB_NORM, n, GEMVP_WIDE_RPW, 32)
+GEMVP_WRAPPER(GEMVB_ACC, a, GEMVP_WIDE_RPW, 32)
 
 // gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add),
 // "s" (SwiGLU), "ns" (norm and SwiGLU)

@@ -726,9 +726,9 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
     const bool shared_slot = (int)blockIdx.x < n_shared;
     const bool pre = shared_slot && early;
     const int s = shared_slot ? n_routed + blockIdx.x : blockIdx.x - n_shared;
-    const int r0 = blockIdx.y * R;
-    const int nr = min(R, inter - r0);
     pdl_launch_dependents();
+    // the slot's rows from 0; a block takes the row chunks blockIdx.y, + gridDim.y, ... (one
+    // chunk a block when the grid has them all, else fewer blocks that read the table once)
     const WT* wg;
     const WT* wu;
     int cnt;
@@ -739,8 +739,8 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
         // L2, normalizing it themselves (the same sums and rounding as the routing kernel)
         // when the RMSNorm is folded into the routing (`gain`; `src` its input).
         const long q = s - n_routed;
-        wg = sh_gate + (q * inter + r0) * (long)d;
-        wu = sh_up + (q * inter + r0) * (long)d;
+        wg = sh_gate + q * inter * (long)d;
+        wu = sh_up + q * inter * (long)d;
         cnt = n;
 #pragma unroll
         for (int i = 0; i < N; i++) tok[i] = i;
@@ -748,81 +748,90 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
         if (pre && gain != nullptr) moe_rstd(src, n, d, eps, true, &red[0][0], 2 * R * N, rstd);
     } else {
         pdl_wait();
+        // the slot's count, addresses and tokens asked for together (one round trip to L2,
+        // not two): the table is whole for every slot, an empty one holds stale addresses
         cnt = slot_cnt[s];
-        if (cnt == 0) return;
-        wg = reinterpret_cast<const WT*>(slot_ptr[3 * s]) + (long)r0 * d;
-        wu = reinterpret_cast<const WT*>(slot_ptr[3 * s + 1]) + (long)r0 * d;
+        const u64 pg = slot_ptr[3 * s], pu = slot_ptr[3 * s + 1];
 #pragma unroll
-        for (int i = 0; i < N; i++) tok[i] = i < cnt ? slot_tok[s * MOED_MAXN + i] : 0;
+        for (int i = 0; i < N; i++) tok[i] = slot_tok[s * MOED_MAXN + i];
+        if (cnt == 0) return;
+        wg = reinterpret_cast<const WT*>(pg);
+        wu = reinterpret_cast<const WT*>(pu);
+#pragma unroll
+        for (int i = 0; i < N; i++) tok[i] = i < cnt ? tok[i] : 0;
     }
     const bool norm = pre && gain != nullptr;
-    float g[R][N], u[R][N];
-#pragma unroll
-    for (int i = 0; i < R; i++)
-#pragma unroll
-        for (int t = 0; t < N; t++) g[i][t] = u[i][t] = 0.0f;
-    const int nch = d / CE;
-    for (int c = tid; c < nch; c += blockDim.x) {
-        uint4 rg[R], ru[R];
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            if (i < nr) {
-                rg[i] = ld_stream16(wg + (long)i * d + (long)c * CE);
-                ru[i] = ld_stream16(wu + (long)i * d + (long)c * CE);
-            } else {
-                rg[i] = ru[i] = make_uint4(0, 0, 0, 0);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < N; t++) {
-            if (t < cnt) {
-                float xv[CE];
-                if (pre) {
-                    const long o = (long)tok[t] * d + (long)c * CE;
-                    moe_load_cg((norm ? src : x) + o, xv, CE);
-                    if (norm)
-#pragma unroll
-                        for (int j = 0; j < CE; j++) xv[j] = act_round(x, xv[j] * rstd[t] * gain[c * CE + j]);
-                } else {
-                    moe_act_load(x + (long)tok[t] * d + (long)c * CE, xv, CE);
-                }
-#pragma unroll
-                for (int i = 0; i < R; i++) {
-                    float wf[CE];
-                    MoeChunk<WT>::cvt(rg[i], wf);
-#pragma unroll
-                    for (int j = 0; j < CE; j++) g[i][t] = fmaf(wf[j], xv[j], g[i][t]);
-                    MoeChunk<WT>::cvt(ru[i], wf);
-#pragma unroll
-                    for (int j = 0; j < CE; j++) u[i][t] = fmaf(wf[j], xv[j], u[i][t]);
-                }
-            }
-        }
-    }
     if (norm) __syncthreads();  // red held the norm's sums
+    for (int r0 = blockIdx.y * R; r0 < inter; r0 += gridDim.y * R) {
+        const int nr = min(R, inter - r0);
+        float g[R][N], u[R][N];
 #pragma unroll
-    for (int i = 0; i < R; i++)
+        for (int i = 0; i < R; i++)
 #pragma unroll
-        for (int t = 0; t < N; t++) {
-            if (t < cnt) {
-                const float a = warp_sum(g[i][t]), b = warp_sum(u[i][t]);
-                if (lane == 0) {
-                    red[warp][(i * N + t) * 2] = a;
-                    red[warp][(i * N + t) * 2 + 1] = b;
+            for (int t = 0; t < N; t++) g[i][t] = u[i][t] = 0.0f;
+        const int nch = d / CE;
+        for (int c = tid; c < nch; c += blockDim.x) {
+            uint4 rg[R], ru[R];
+#pragma unroll
+            for (int i = 0; i < R; i++) {
+                if (i < nr) {
+                    rg[i] = ld_stream16(wg + (long)(r0 + i) * d + (long)c * CE);
+                    ru[i] = ld_stream16(wu + (long)(r0 + i) * d + (long)c * CE);
+                } else {
+                    rg[i] = ru[i] = make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < N; t++) {
+                if (t < cnt) {
+                    float xv[CE];
+                    if (pre) {
+                        const long o = (long)tok[t] * d + (long)c * CE;
+                        moe_load_cg((norm ? src : x) + o, xv, CE);
+                        if (norm)
+#pragma unroll
+                            for (int j = 0; j < CE; j++) xv[j] = act_round(x, xv[j] * rstd[t] * gain[c * CE + j]);
+                    } else {
+                        moe_act_load(x + (long)tok[t] * d + (long)c * CE, xv, CE);
+                    }
+#pragma unroll
+                    for (int i = 0; i < R; i++) {
+                        float wf[CE];
+                        MoeChunk<WT>::cvt(rg[i], wf);
+#pragma unroll
+                        for (int j = 0; j < CE; j++) g[i][t] = fmaf(wf[j], xv[j], g[i][t]);
+                        MoeChunk<WT>::cvt(ru[i], wf);
+#pragma unroll
+                        for (int j = 0; j < CE; j++) u[i][t] = fmaf(wf[j], xv[j], u[i][t]);
+                    }
                 }
             }
         }
-    __syncthreads();
-    if (tid < R * N) {
-        const int i = tid / N, t = tid % N;
-        if (i < nr && t < cnt) {
-            float a = 0.0f, b = 0.0f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
-                a += red[w][tid * 2];
-                b += red[w][tid * 2 + 1];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int t = 0; t < N; t++) {
+                if (t < cnt) {
+                    const float a = warp_sum(g[i][t]), b = warp_sum(u[i][t]);
+                    if (lane == 0) {
+                        red[warp][(i * N + t) * 2] = a;
+                        red[warp][(i * N + t) * 2 + 1] = b;
+                    }
+                }
             }
-            act_store(hout, ((long)s * N + t) * inter + r0 + i, a / (1.0f + expf(-a)) * b);
+        __syncthreads();
+        if (tid < R * N) {
+            const int i = tid / N, t = tid % N;
+            if (i < nr && t < cnt) {
+                float a = 0.0f, b = 0.0f;
+                for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+                    a += red[w][tid * 2];
+                    b += red[w][tid * 2 + 1];
+                }
+                act_store(hout, ((long)s * N + t) * inter + r0 + i, a / (1.0f + expf(-a)) * b);
+            }
         }
+        __syncthreads();  // red is reused by the next chunk
     }
     di_trace_phase(shared_slot ? 0 : 1);
 }

@@ -164,7 +164,8 @@ fn products_sharing_an_input_fuse_and_stay_correct() {
 /// 2048) against the same trait calls on the CPU backend, and against the CUDA backend with
 /// folding off (which must flush two launches more): the norm output, three segments of odd
 /// row counts sharing the normalized input, and a residual sum, for every token bound and row
-/// shape.
+/// shape. One token over 2048-wide rows takes the staged `gemvp*` kernels, in 32-row blocks
+/// folded and 8-row blocks unfolded.
 #[test]
 fn rms_norm_and_residual_add_fold_into_block_gemvs() {
     let Some(be) = backend(Act::Bf16) else {
@@ -176,6 +177,9 @@ fn rms_norm_and_residual_add_fold_into_block_gemvs() {
             act: Some(Act::Bf16),
             fuse_norm: false,
             fuse_add: false,
+            // one token over 2048-wide rows: the 8-row staged blocks here, the 32-row ones
+            // (the default) folded
+            gemvp_wide: false,
             ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
         },
     )

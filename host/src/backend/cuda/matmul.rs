@@ -12,6 +12,7 @@ use std::sync::Arc;
 use super::blas::{Gemm, GemmType};
 use super::module::{
     gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS, GEMVP_MAXK, GEMVP_ROWS,
+    GEMVP_WIDE_ROWS,
 };
 use super::ops::check;
 use super::queue::{elementwise_grid, Gemt, Gemv, Op, Product, GEMV_THREADS};
@@ -196,13 +197,39 @@ fn block_kernel(
     Some((id, GEMVB_SHAPES[si].0))
 }
 
-/// The GEMV kernel for `n` tokens and its rows per block: a block-cooperative one where there
-/// is one, else one warp per weight row (which folds nothing in).
-fn pick(inner: &Inner, act: Act, wt: WType, n: usize, k: usize, fold: Fold) -> (KernelId, usize) {
-    block_kernel(inner, act, wt, n, k, fold).unwrap_or((
-        inner.module.act(act).gemv[wt as usize],
-        (GEMV_THREADS / 32) as usize,
-    ))
+/// The GEMV kernel for `n` tokens over `rows` rows and its rows per block: a
+/// block-cooperative one where there is one, else one warp per weight row (which folds
+/// nothing in).
+fn pick(
+    inner: &Inner,
+    act: Act,
+    wt: WType,
+    n: usize,
+    k: usize,
+    rows: usize,
+    fold: Fold,
+) -> (KernelId, usize) {
+    match block_kernel(inner, act, wt, n, k, fold) {
+        Some(kr) => widen(inner, act, kr, rows),
+        None => (
+            inner.module.act(act).gemv[wt as usize],
+            (GEMV_THREADS / 32) as usize,
+        ),
+    }
+}
+
+/// A staged one-token GEMV (`gemvp*`) of at most [`GEMVP_WIDE_ROWS`] rows an SM in its wide
+/// blocks (`CudaOptions::gemvp_wide`), else `kr` as it is.
+fn widen(inner: &Inner, act: Act, kr: (KernelId, usize), rows: usize) -> (KernelId, usize) {
+    let kernels = inner.module.act(act);
+    if let (Some(p), Some(w)) = (kernels.gemvp.as_ref(), kernels.gemvp_wide.as_ref()) {
+        if let Some(i) = p.iter().position(|&k| k == kr.0) {
+            if inner.opts.gemvp_wide && rows <= GEMVP_WIDE_ROWS * inner.module.sms {
+                return (w[i], GEMVP_WIDE_ROWS);
+            }
+        }
+    }
+    kr
 }
 
 /// Queues a GEMV, or appends it as a segment to the GEMV just queued when that one reads the
@@ -221,7 +248,9 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
                 && !g.swiglu
             {
                 g.p.segs.push(seg);
-                (g.kernel, g.rows_per_block) = pick(inner, act, w.wtype, n, w.cols, Fold::of(g));
+                let rows = g.p.segs.iter().map(|s| s.2).sum();
+                (g.kernel, g.rows_per_block) =
+                    pick(inner, act, w.wtype, n, w.cols, rows, Fold::of(g));
                 return;
             }
         }
@@ -241,7 +270,7 @@ fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: 
     } else {
         Fold::Plain
     };
-    let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, fold);
+    let (kernel, rows_per_block) = pick(inner, act, w.wtype, n, w.cols, w.rows, fold);
     q.push(Op::Gemv(Gemv {
         kernel,
         p: Product::new(x.ptr(), n, w.cols, w.row_bytes, seg),
@@ -275,7 +304,8 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
         return false;
     }
     match block_kernel(inner, act, g.wtype, g.p.n, g.p.k, Fold::Acc) {
-        Some((kernel, rows_per_block)) => {
+        Some(kr) => {
+            let (kernel, rows_per_block) = widen(inner, act, kr, g.p.segs[0].2);
             g.kernel = kernel;
             g.rows_per_block = rows_per_block;
             g.res = res;

@@ -93,6 +93,10 @@ pub struct CudaOptions {
     /// memory before the programmatic wait (`gemvp*` in `kernels/gemv.cu`); `DEEPINFER_CUDA_GEMVP=0`
     /// gives them to the block-cooperative kernels.
     pub gemvp: bool,
+    /// Those GEMVs in blocks of 32 rows (136 KB of shared memory) when the matrix has at most
+    /// 32 rows an SM: one block an SM, so every block can be resident and copying its rows
+    /// while the kernel before it runs; `DEEPINFER_CUDA_GEMVPW=0` keeps 8-row blocks.
+    pub gemvp_wide: bool,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -167,6 +171,10 @@ pub struct Ds2 {
     /// `moe_route1c` for one token (with `cluster`, within its bounds): 2.176 against 2.346 /
     /// 2.363 ms a Moonlight-shape batch-1 step on the H200 (one call).
     pub route1: bool,
+    /// `moe_gu_dec` for one token in one wave of blocks (`gu_wave` an SM, 0: off), each
+    /// taking several row chunks of its slot and reading the slot table once, instead of a
+    /// block a chunk.
+    pub gu_wave: u8,
 }
 
 impl Ds2 {
@@ -181,15 +189,18 @@ impl Ds2 {
         own_sm: true,
         next_l2: true,
         route1: true,
+        gu_wave: 4,
     };
     /// What runs unless `DEEPINFER_CUDA_DS2` says otherwise: all but the down projection's
     /// L2 prefetches and the routing's SM reservation, none of which measured faster on the
     /// H200 (Moonlight shape, batch 1, one call: `nextl2` 2.332, `ownsm` 2.324 against 2.346 /
-    /// 2.363 ms without either; `route1` 2.176 ms, the three with `DI_X_EVICT` 2.191 ms).
+    /// 2.363 ms without either; `route1` 2.176 ms, the three with `DI_X_EVICT` 2.191 ms), nor
+    /// `guwave` (2.294 against 2.194 ms without it, one call).
     pub const DEFAULT: Ds2 = Ds2 {
         down_prefetch: false,
         own_sm: false,
         next_l2: false,
+        gu_wave: 0,
         ..Ds2::ALL
     };
     pub const NONE: Ds2 = Ds2 {
@@ -203,11 +214,12 @@ impl Ds2 {
         own_sm: false,
         next_l2: false,
         route1: false,
+        gu_wave: 0,
     };
 
     /// Unset, empty or `1`: [`Ds2::DEFAULT`]; `all`: all; `0` / `none`: none; else a comma-separated list of
     /// `decode`, `absorb`, `vup`, `route`, `prefetch`, `shared`, `cluster`, `ownsm`, `nextl2`,
-    /// `route1`: those only.
+    /// `route1`, `guwave` (`guwave3`, `guwave2`: 3 or 2 blocks an SM): those only.
     pub fn parse(v: &str) -> Result<Ds2> {
         match v {
             "" | "1" => return Ok(Ds2::DEFAULT),
@@ -228,9 +240,12 @@ impl Ds2 {
                 "ownsm" => d.own_sm = true,
                 "nextl2" => d.next_l2 = true,
                 "route1" => d.route1 = true,
+                "guwave" => d.gu_wave = 4,
+                "guwave3" => d.gu_wave = 3,
+                "guwave2" => d.gu_wave = 2,
                 other => {
                     return Err(Error::BadConfig(format!(
-                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch, shared, cluster, ownsm, nextl2, route1 \
+                        "DEEPINFER_CUDA_DS2={v}: `{other}` is none of decode, absorb, vup, route, prefetch, shared, cluster, ownsm, nextl2, route1, guwave[3|2] \
                          (or use 1 / all, 0 / none)"
                     )))
                 }
@@ -250,6 +265,7 @@ impl Default for CudaOptions {
             pdl: true,
             gemvb: true,
             gemvp: true,
+            gemvp_wide: true,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -268,7 +284,7 @@ impl Default for CudaOptions {
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`, `DEEPINFER_CUDA_GEMVPW`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
     /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
@@ -295,6 +311,7 @@ impl CudaOptions {
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
         o.gemvp = !off("DEEPINFER_CUDA_GEMVP");
+        o.gemvp_wide = !off("DEEPINFER_CUDA_GEMVPW");
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");

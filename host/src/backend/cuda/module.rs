@@ -348,6 +348,9 @@ pub struct ActKernels {
     /// (`gemvp*_bf16w_n1_r8` in `kernels/gemv.cu`), by fold: plain, RMSNorm, residual add; bf16
     /// weights and activations, rows of at most [`GEMVP_MAXK`] weights.
     pub gemvp: Option<[KernelId; 3]>,
+    /// The same with [`GEMVP_WIDE_ROWS`] rows a block in [`GEMVP_WIDE_SMEM`] bytes of dynamic
+    /// shared memory (`gemvp*_bf16w_n1_r32`); None where the device has less.
+    pub gemvp_wide: Option<[KernelId; 3]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -402,6 +405,10 @@ pub const GEMVB_SHAPES: [(usize, usize); 3] = [(4, 2), (2, 4), (1, 8)];
 /// Rows per block and the longest rows of the one-token shared-memory GEMVs (`GEMVP_ROWS`,
 /// `GEMVP_MAXK` in `kernels/gemv.cu`).
 pub const GEMVP_ROWS: usize = 8;
+/// Rows per block of the wide one-token staged GEMVs and their dynamic shared memory: the
+/// rows (at most [`GEMVP_MAXK`] bf16 weights each) and the input in f32.
+pub const GEMVP_WIDE_ROWS: usize = 32;
+pub const GEMVP_WIDE_SMEM: usize = GEMVP_WIDE_ROWS * GEMVP_MAXK * 2 + GEMVP_MAXK * 4;
 pub const GEMVP_MAXK: usize = 2048;
 
 /// The loaded module and its kernel ids.
@@ -417,6 +424,8 @@ pub struct Module {
     pub pdl: bool,
     /// Thread-block clusters (sm_90+).
     pub clusters: bool,
+    /// The device's streaming multiprocessors.
+    pub sms: usize,
     pub f32: ActKernels,
     pub bf16: ActKernels,
     pub rope_table: KernelId,
@@ -434,6 +443,18 @@ pub struct Module {
 }
 
 impl Module {
+    /// The dynamic shared memory a GEMV launch of `kernel` asks for (the wide staged ones').
+    pub fn gemv_smem(&self, kernel: KernelId) -> u32 {
+        let wide = [&self.f32, &self.bf16]
+            .iter()
+            .any(|a| a.gemvp_wide.is_some_and(|w| w.contains(&kernel)));
+        if wide {
+            GEMVP_WIDE_SMEM as u32
+        } else {
+            0
+        }
+    }
+
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Module> {
         let (major, minor) = ctx
             .compute_capability()
@@ -454,6 +475,10 @@ impl Module {
                 sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| cuda_err("reading the shared memory limit", e))? as usize;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("reading the multiprocessor count", e))?
+            .max(1) as usize;
         let trace_table = match super::trace::requested() {
             Some(_) => {
                 let stream = ctx.default_stream();
@@ -569,6 +594,15 @@ impl Module {
                 } else {
                     None
                 },
+                gemvp_wide: if s == "bf16" && max_smem >= GEMVP_WIDE_SMEM {
+                    Some([
+                        n("gemvp_bf16w_n1_r32")?,
+                        n("gemvpn_bf16w_n1_r32")?,
+                        n("gemvpa_bf16w_n1_r32")?,
+                    ])
+                } else {
+                    None
+                },
                 argmax: n("argmax")?,
                 topk: n("topk")?,
             })
@@ -641,6 +675,12 @@ impl Module {
                 p2.chain(p3)
             })
             .chain(gemt_bytes)
+            .chain(
+                [&f32, &bf16]
+                    .iter()
+                    .flat_map(|a| a.gemvp_wide.into_iter().flatten())
+                    .map(|k| (k, GEMVP_WIDE_SMEM)),
+            )
             .collect();
         // Kernels that need more than the device has are never launched (see
         // `attention::prefill_kernel`; the skinny GEMMs, at most 74 KB, fit every sm_80+ device).
@@ -686,6 +726,7 @@ impl Module {
             trace_table,
             pdl: major >= 9,
             clusters: major >= 9,
+            sms,
             max_smem,
             f32,
             bf16,
@@ -737,6 +778,7 @@ mod tests {
             "gemvbn_bf16w_n8_r1u8_bf16",
             "gemvba_bf16w_n1_r2u4_bf16",
             "gemvpn_bf16w_n1_r8_bf16",
+            "gemvpa_bf16w_n1_r32_bf16",
             "attn_prefill_d128_f32",
             "attn_prefill3_d128_bf16",
             "attn_decode_d64_g4_bf16",

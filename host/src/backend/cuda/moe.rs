@@ -484,14 +484,17 @@ fn forward_decode(
     }
     let per_slot = if n > 1 { DEC_MAX_TOKENS } else { 1 };
     let h = inner.scratch((slots + n_shared) * per_slot * inter, act.size())?;
+    // row chunks a slot; with `gu_wave` (one token) the blocks of one wave (`gu_wave` an SM) take
+    // them in turn
+    let mut chunks_y = inter.div_ceil(DEC_ROWS);
+    let wave = inner.opts.ds2.gu_wave as usize;
+    if wave > 0 && n == 1 {
+        chunks_y = chunks_y.min((wave * inner.module.sms / (slots + n_shared)).max(1));
+    }
     launch(
         inner,
         kern.moe_gu_dec[st.wi][ti],
-        [
-            (slots + n_shared) as u32,
-            inter.div_ceil(DEC_ROWS) as u32,
-            1,
-        ],
+        [(slots + n_shared) as u32, chunks_y as u32, 1],
         DEC_THREADS,
         vec![
             h.ptr(),

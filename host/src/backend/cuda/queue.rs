@@ -536,7 +536,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
                 g.kernel,
                 [g.blocks() as u32, 1, 1],
                 GEMV_THREADS,
-                0,
+                m.gemv_smem(g.kernel),
                 &a,
             )
         }
