@@ -255,42 +255,39 @@ fn name_hash(name: &str) -> u64 {
     })
 }
 
+/// The bf16 values of quads `q0..` (4 values, 8 bytes a quad) of a random tensor into `dst`:
+/// each quad's bits come from its own index (SplitMix64 at `seed + (q + 1) * gamma`), so any
+/// split of a tensor into slices fills the same values.
+fn fill_bf16(dst: &mut [u8], q0: usize, e0: i32, seed: u64) {
+    for (k, quad) in dst.chunks_mut(8).enumerate() {
+        let s = splitmix(seed.wrapping_add(((q0 + k) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+        let mut v = 0u64;
+        for j in 0..4 {
+            let c = (s >> (16 * j)) as u16;
+            let exp = (e0 - ((c >> 7) & 3) as i32).clamp(1, 254) as u16;
+            v |= u64::from((c & 0x8000) | (exp << 7) | (c & 0x7f)) << (16 * j);
+        }
+        let n = quad.len();
+        quad.copy_from_slice(&v.to_le_bytes()[..n]);
+    }
+}
+
 /// `n` bf16 values (little-endian bytes): sign, 7 random mantissa bits and one of four
-/// exponents, so magnitudes spread over [scale/8, 2 scale). Filled in parallel chunks whose
-/// seeds depend only on their index, so the result does not depend on the thread count.
+/// exponents, so magnitudes spread over [scale/8, 2 scale). Every thread of the machine fills
+/// a slice (a full-size model's expert tensors are a few million values each); the values do
+/// not depend on the thread count.
 pub fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<u8> {
-    const CHUNK: usize = 1 << 20;
     let e0 = scale.max(1e-30).log2().floor() as i32 + 127;
     let mut out = vec![0u8; n * 2];
-    let fill = |ci: usize, dst: &mut [u8]| {
-        let mut s = splitmix(seed ^ (ci as u64).wrapping_mul(0xA24B_AED4_963E_E407));
-        for quad in dst.chunks_mut(8) {
-            s = splitmix(s);
-            for (j, b) in quad.chunks_mut(2).enumerate() {
-                let c = (s >> (16 * j)) as u16;
-                let exp = (e0 - ((c >> 7) & 3) as i32).clamp(1, 254) as u16;
-                let bits = (c & 0x8000) | (exp << 7) | (c & 0x7f);
-                b.copy_from_slice(&bits.to_le_bytes()[..b.len()]);
-            }
-        }
-    };
     let threads = std::thread::available_parallelism()
         .map_or(1, |t| t.get())
-        .min(32);
-    let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK * 2).enumerate().collect();
-    let per = chunks.len().div_ceil(threads).max(1);
-    let mut groups: Vec<Vec<(usize, &mut [u8])>> = Vec::new();
-    let mut it = chunks.into_iter().peekable();
-    while it.peek().is_some() {
-        groups.push(it.by_ref().take(per).collect());
-    }
+        .min(64);
+    // whole quads a slice, at least 64 K of them (smaller tensors take fewer threads)
+    let quads = n.div_ceil(4);
+    let per = quads.div_ceil(threads).max(1 << 16);
     std::thread::scope(|sc| {
-        for g in groups {
-            sc.spawn(move || {
-                for (ci, dst) in g {
-                    fill(ci, dst);
-                }
-            });
+        for (i, dst) in out.chunks_mut(per * 8).enumerate() {
+            sc.spawn(move || fill_bf16(dst, i * per, e0, seed));
         }
     });
     out
@@ -448,6 +445,13 @@ mod tests {
         let a = random_bf16(3_000_001, 0.01, 7);
         assert_eq!(a, random_bf16(3_000_001, 0.01, 7));
         assert_ne!(a, random_bf16(3_000_001, 0.01, 8));
+        // slices filled apart hold what one pass fills
+        let e0 = 0.01f32.log2().floor() as i32 + 127;
+        let mut halves = vec![0u8; a.len()];
+        let (lo, hi) = halves.split_at_mut(500_000 * 8);
+        fill_bf16(lo, 0, e0, 7);
+        fill_bf16(hi, 500_000, e0, 7);
+        assert_eq!(a, halves);
         let vals: Vec<f32> = a
             .chunks(2)
             .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
