@@ -224,7 +224,10 @@ fn widen(inner: &Inner, act: Act, kr: (KernelId, usize), rows: usize) -> (Kernel
     let kernels = inner.module.act(act);
     if let (Some(p), Some(w)) = (kernels.gemvp.as_ref(), kernels.gemvp_wide.as_ref()) {
         if let Some(i) = p.iter().position(|&k| k == kr.0) {
-            if inner.opts.gemvp_wide && rows <= GEMVP_WIDE_ROWS * inner.module.sms {
+            if inner.opts.gemvp_wide
+                && inner.opts.gemvp_wide_folds & (1 << i) != 0
+                && rows <= GEMVP_WIDE_ROWS * inner.module.sms
+            {
                 return (w[i], GEMVP_WIDE_ROWS);
             }
         }

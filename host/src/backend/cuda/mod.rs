@@ -97,6 +97,9 @@ pub struct CudaOptions {
     /// 32 rows an SM: one block an SM, so every block can be resident and copying its rows
     /// while the kernel before it runs; `DEEPINFER_CUDA_GEMVPW=0` keeps 8-row blocks.
     pub gemvp_wide: bool,
+    /// Which of those take the wide blocks, by fold (bit 0 plain, 1 RMSNorm, 2 residual add):
+    /// `DEEPINFER_CUDA_GEMVPW=norm` / `add` for one kind only, all by default.
+    pub gemvp_wide_folds: u8,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -266,6 +269,7 @@ impl Default for CudaOptions {
             gemvb: true,
             gemvp: true,
             gemvp_wide: true,
+            gemvp_wide_folds: 0b111,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -284,10 +288,11 @@ impl Default for CudaOptions {
 
 impl CudaOptions {
     /// Defaults overridden by `DEEPINFER_CUDA_ACT` (`f32` | `bf16`), `DEEPINFER_CUDA_GRAPHS`,
-    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`, `DEEPINFER_CUDA_GEMVPW`,
+    /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
     /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
+    /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]). The kernels'
@@ -311,7 +316,17 @@ impl CudaOptions {
         o.pdl = !off("DEEPINFER_CUDA_PDL");
         o.gemvb = !off("DEEPINFER_CUDA_GEMVB");
         o.gemvp = !off("DEEPINFER_CUDA_GEMVP");
-        o.gemvp_wide = !off("DEEPINFER_CUDA_GEMVPW");
+        match std::env::var("DEEPINFER_CUDA_GEMVPW").ok().as_deref() {
+            None | Some("") | Some("1") => {}
+            Some("0") => o.gemvp_wide = false,
+            Some("norm") => o.gemvp_wide_folds = 0b010,
+            Some("add") => o.gemvp_wide_folds = 0b100,
+            Some(other) => {
+                return Err(Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_GEMVPW={other}: expected 1, 0, norm or add"
+                )))
+            }
+        }
         o.buckets = !off("DEEPINFER_CUDA_BUCKETS");
         o.fuse_norm = !off("DEEPINFER_CUDA_FUSE_NORM");
         o.fuse_add = !off("DEEPINFER_CUDA_FUSE_ADD");
