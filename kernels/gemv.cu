@@ -16,6 +16,25 @@ __device__ __forceinline__ void f16x8_to_f32(uint4 v, float* out) {
     out[6] = f16_to_f32((f16_t)(v.w & 0xffff)); out[7] = f16_to_f32((f16_t)(v.w >> 16));
 }
 
+// Row `g` of a launch's up to three segments (m0, m1, m2 rows): its segment's weights `w` and
+// output `y`, its index `r` there and the segment's rows `m`; false past the last (then
+// segment 0 and index 0).
+template <typename T>
+__device__ __forceinline__ bool gemv_seg(long g, const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2,
+                                         int m0, int m1, int m2, const u8*& w, T*& y, long& r, long& m) {
+    if (g < m0) {
+        w = w0; y = y0; r = g; m = m0;
+    } else if (g < (long)m0 + m1) {
+        w = w1; y = y1; r = g - m0; m = m1;
+    } else if (g < (long)m0 + m1 + m2) {
+        w = w2; y = y2; r = g - m0 - m1; m = m2;
+    } else {
+        w = w0; y = y0; r = 0; m = m0;
+        return false;
+    }
+    return true;
+}
+
 template <typename T, int WT>
 __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1, T* y2, int m0, int m1, int m2,
                           const T* x, int n, int k, long row_bytes) {
@@ -25,15 +44,7 @@ __device__ void gemv_impl(const u8* w0, const u8* w1, const u8* w2, T* y0, T* y1
     const u8* w;
     T* y;
     long r, m;
-    if (grow < m0) {
-        w = w0; y = y0; r = grow; m = m0;
-    } else if (grow < (long)m0 + m1) {
-        w = w1; y = y1; r = grow - m0; m = m1;
-    } else if (grow < (long)m0 + m1 + m2) {
-        w = w2; y = y2; r = grow - m0 - m1; m = m2;
-    } else {
-        return;  // whole warp leaves together
-    }
+    if (!gemv_seg(grow, w0, w1, w2, y0, y1, y2, m0, m1, m2, w, y, r, m)) return;  // whole warp leaves together
     const u8* wrow = w + r * row_bytes;
     float acc[GEMV_MAX_N];
 #pragma unroll
@@ -199,15 +210,7 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
         const long g = SWIGLU ? (long)blockIdx.x * (R / 2) + (i % (R / 2)) + (i < R / 2 || m1 != m0 ? 0 : m0)
                               : row0 + i;
         ok[i] = !SWIGLU || (m1 == m0 && (long)blockIdx.x * (R / 2) + (i % (R / 2)) < m0);
-        if (g < m0) {
-            wr[i] = w0; yr[i] = y0; rr[i] = g; mr[i] = m0;
-        } else if (g < (long)m0 + m1) {
-            wr[i] = w1; yr[i] = y1; rr[i] = g - m0; mr[i] = m1;
-        } else if (g < (long)m0 + m1 + m2) {
-            wr[i] = w2; yr[i] = y2; rr[i] = g - m0 - m1; mr[i] = m2;
-        } else {
-            wr[i] = w0; yr[i] = y0; rr[i] = 0; mr[i] = m0; ok[i] = false;
-        }
+        if (!gemv_seg(g, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[i], yr[i], rr[i], mr[i])) ok[i] = false;
         wr[i] += rr[i] * row_bytes;
     }
     float acc[R][N];
@@ -356,26 +359,6 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 // while the kernel before it runs.
 #define GEMVP_WIDE_RPW 4
 
-// Row `gr` of the up to three segments: its weights, output and index there (as gemvb_impl
-// finds them); ok false past the last.
-__device__ __forceinline__ bool gemvp_row(long gr, const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
-                                          bf16_t* y2, int m0, int m1, int m2, long row_bytes, const u8*& wr,
-                                          bf16_t*& yr, long& rr) {
-    wr = w0; yr = y0; rr = gr;
-    bool ok = true;
-    if (gr < m0) {
-    } else if (gr < (long)m0 + m1) {
-        wr = w1; yr = y1; rr = gr - m0;
-    } else if (gr < (long)m0 + m1 + m2) {
-        wr = w2; yr = y2; rr = gr - m0 - m1;
-    } else {
-        ok = false;
-        rr = 0;
-    }
-    wr += rr * row_bytes;
-    return ok;
-}
-
 template <int MODE, int RPW>
 __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
                                            bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
@@ -405,8 +388,10 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     bool ok[RPW];
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
-        ok[j] = gemvp_row((long)blockIdx.x * R + warp * RPW + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, row_bytes,
-                          wr[j], yr[j], rr[j]);
+        long mj;
+        ok[j] = gemv_seg((long)blockIdx.x * R + warp * RPW + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j],
+                         rr[j], mj);
+        wr[j] += rr[j] * row_bytes;
         for (int c = lane; c < nch; c += 32)
             cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
     }
