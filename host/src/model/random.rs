@@ -285,6 +285,10 @@ pub fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<u8> {
     // whole quads a slice, at least 64 K of them (smaller tensors take fewer threads)
     let quads = n.div_ceil(4);
     let per = quads.div_ceil(threads).max(1 << 16);
+    if quads <= per {
+        fill_bf16(&mut out, 0, e0, seed);
+        return out;
+    }
     std::thread::scope(|sc| {
         for (i, dst) in out.chunks_mut(per * 8).enumerate() {
             sc.spawn(move || fill_bf16(dst, i * per, e0, seed));

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
-use super::module::Module;
+use super::module::{KernelId, Module};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::weights::WType;
@@ -559,18 +559,13 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     if !(inner.opts.fuse && inner.opts.fuse_add) {
         return false;
     }
-    let kern = &inner.module.deepseek[match inner.act() {
-        Act::F32 => 0,
-        Act::Bf16 => 1,
-    }];
     let mut q = inner.queue();
     let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
         return false;
     };
     // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early, then the
     // prefetch ranges.
-    let down = kern.moe_down_dec.iter().flatten().any(|k| *k == *kernel);
-    if down
+    if is_down_dec(&inner.module, *kernel)
         && args.len() == DOWN_ARGS
         && args[0] == y
         && args[1] == 0
@@ -588,6 +583,14 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
 /// n_shared, n, d, inter, early, then (pf0, pf0_bytes, pf1, pf1_bytes) from 14.
 const DOWN_ARGS: usize = 18;
 
+/// Whether `kernel` is one of the `moe_down_dec` kernels.
+fn is_down_dec(m: &Module, kernel: KernelId) -> bool {
+    m.deepseek
+        .iter()
+        .flat_map(|k| k.moe_down_dec.iter().flatten())
+        .any(|&k| k == kernel)
+}
+
 /// `Ds2::next_l2`: a decode down projection directly followed by a one-token GEMV of staged
 /// rows (`gemvp*`: the next layer's q/kv_a) asks that GEMV's first two weight segments into
 /// L2 as its blocks finish, since the GEMV's blocks cannot be resident (and start their
@@ -603,12 +606,7 @@ pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module) {
         else {
             continue;
         };
-        let down = m
-            .deepseek
-            .iter()
-            .flat_map(|k| k.moe_down_dec.iter().flatten())
-            .any(|k| k == kernel);
-        if !down || args.len() != DOWN_ARGS || !gemvp.contains(&g.kernel) {
+        if !is_down_dec(m, *kernel) || args.len() != DOWN_ARGS || !gemvp.contains(&g.kernel) {
             continue;
         }
         for (j, seg) in g.p.segs.iter().take(2).enumerate() {
