@@ -40,6 +40,10 @@ what="${1:-tests}"
 shift || true
 case "$what" in
     tests)
+        if ! compgen -G "$bin/gpu_*" >/dev/null; then
+            echo "no GPU test binaries in $pack (packed with DEEPINFER_PACK_TESTS=0?)" >&2
+            exit 2
+        fi
         status=0
         for t in "$bin"/gpu_*; do "$t" --test-threads=1 --nocapture "$@" || status=1; done
         exit $status ;;
