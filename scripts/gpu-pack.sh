@@ -4,7 +4,8 @@
 #
 #   scripts/gpu-pack.sh            then carry `dev-out/cuda` and run `scripts/gpu-run.sh ...` there
 #
-# DEEPINFER_PACK_TESTS=0 leaves the GPU test binaries out (see below).
+# DEEPINFER_PACK_TESTS=0 leaves the GPU test binaries out: the binary and the kernels alone,
+# for benchmark calls (a few minutes sooner).
 #
 # DEEPINFER_PACK_DIR=DIR packs into DIR instead (absolute, or relative to the repository root);
 # on the device machine `DEEPINFER_PACK_DIR=DIR scripts/gpu-run.sh ...` unpacks from there.
@@ -13,7 +14,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 cargo build --release --features cuda
 # The test binaries' paths are printed by cargo as "Executable ... (target/release/deps/NAME-HASH)".
-# DEEPINFER_PACK_TESTS=0 packs the binary alone (benchmark runs; a few minutes sooner).
 tests=""
 if [ "${DEEPINFER_PACK_TESTS:-1}" != 0 ]; then
     tests=$(cargo test --release --features cuda -p deepinfer --test gpu_kernels --test gpu_model --test gpu_deepseek --no-run 2>&1 |

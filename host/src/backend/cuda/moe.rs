@@ -565,8 +565,7 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     };
     // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early, then the
     // prefetch ranges.
-    if is_down_dec(&inner.module, *kernel)
-        && args.len() == DOWN_ARGS
+    if is_down_dec(&inner.module, *kernel, args)
         && args[0] == y
         && args[1] == 0
         && (args[10] * args[11]) as usize == len
@@ -583,12 +582,13 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
 /// n_shared, n, d, inter, early, then (pf0, pf0_bytes, pf1, pf1_bytes) from 14.
 const DOWN_ARGS: usize = 18;
 
-/// Whether `kernel` is one of the `moe_down_dec` kernels.
-fn is_down_dec(m: &Module, kernel: KernelId) -> bool {
-    m.deepseek
-        .iter()
-        .flat_map(|k| k.moe_down_dec.iter().flatten())
-        .any(|&k| k == kernel)
+/// Whether `kernel` with `args` is a `moe_down_dec` launch (its [`DOWN_ARGS`] arguments).
+fn is_down_dec(m: &Module, kernel: KernelId, args: &[u64]) -> bool {
+    args.len() == DOWN_ARGS
+        && m.deepseek
+            .iter()
+            .flat_map(|k| k.moe_down_dec.iter().flatten())
+            .any(|&k| k == kernel)
 }
 
 /// `Ds2::next_l2`: a decode down projection directly followed by a one-token GEMV of staged
@@ -606,7 +606,7 @@ pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module) {
         else {
             continue;
         };
-        if !is_down_dec(m, *kernel) || args.len() != DOWN_ARGS || !gemvp.contains(&g.kernel) {
+        if !is_down_dec(m, *kernel, args) || !gemvp.contains(&g.kernel) {
             continue;
         }
         for (j, seg) in g.p.segs.iter().take(2).enumerate() {
