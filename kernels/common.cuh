@@ -95,6 +95,22 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     return v;
 }
 
+// An activation that other blocks wrote before a fence, read past L1.
+__device__ __forceinline__ float act_load_cg(const float* p, long i) { return ld_cg(p + i); }
+__device__ __forceinline__ float act_load_cg(const bf16_t* p, long i) {
+    bf16_t v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p + i));
+    return bf16_to_f32(v);
+}
+
+// A counter read with acquire semantics at GPU scope: writes other blocks made before their
+// fenced increments of it are visible after the read.
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -196,6 +212,14 @@ __device__ __forceinline__ void cp_async16_w(void* dst, const void* src, bool va
                  "l"(l2_evict_first()));
 #else
     cp_async16(dst, src, valid);
+#endif
+}
+
+// Asks the L2 cache to fetch `bytes` (a multiple of 16) from `src` (16-byte aligned); no
+// completion to wait for (sm_90+).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }

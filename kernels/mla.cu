@@ -672,6 +672,10 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
 #define MLA1_VC 2                        // 8-value chunks of a V row a lane (r <= 512)
 #define MLA1_MAXDR 128                   // most rope values
 #define MLA1_MAXC 8                      // most blocks a cluster
+#define MLA1_MAXQR 192                   // most query rows a block of the fused layer launch
+#define MLA1_MAXVR 16                    // most V rows a block (v / C)
+#define MLA1_MAXV 256                    // most V values a head
+#define MLA1_MAXLR 64                    // most q + kv_a rows a block of the fused layer launch
 
 // Eight consecutive weights, loaded raw (so the load can go out early) and converted later.
 template <typename WT>
@@ -716,11 +720,193 @@ __device__ __forceinline__ void mla1_tile(T (*kt)[MLA_MAXW], long* slot_of, cons
     cp_async_commit();
 }
 
-template <typename T, typename WT>
+// The attention half of a decoder layer in the fused decode launch (`mla_layer1`, one token,
+// bf16): the RMSNorm of the residual stream and the q / kv_a products before the attention,
+// the o product and the residual add after it. Block b of head h's cluster (global block
+// g = h C + b of heads * C) computes rows [b rq, (b + 1) rq) of its head's query (the cluster
+// reads them from its shared memory) and kv_a rows [g rk, (g + 1) rk) (written to `kva`, then
+// counted in cnt[0]: the block holding the token's own position waits for all of them), both
+// from rows the L2 cache is asked for before the programmatic wait (shared memory for them
+// would leave one block a multiprocessor, too few for every cluster at once). After the V rows each
+// block takes o rows [b ro, (b + 1) ro) times its head's V output (o columns [h v, (h + 1) v)),
+// a partial sum per head into `part`; the last of the heads' blocks of a row chunk (cnt[2 + b])
+// adds the heads' partials in head order, so the sum does not depend on which came last,
+// and stores the product and the residual. The counters return to zero (cnt[1] counts the
+// blocks that are done). Every block of the grid must be resident together (the host checks
+// the device holds that many clusters).
+template <typename T>
+struct Mla1Layer {
+    const T* x;          // the residual stream (the norm's input)
+    const float* g;      // the norm's gain
+    float eps;
+    T* h;                // the normalized row (or null)
+    const u8* wq;        // q_proj, [heads * (nope + dr), k]
+    const u8* wk;        // kv_a_proj, [r + dr, k]
+    long row_bytes;      // of both
+    int k;               // the hidden width
+    int rq, rk;          // q rows a block, kv_a rows a block
+    const u8* wo;        // o_proj, [k, heads * v] (null: no o product)
+    long wo_row_bytes;
+    T* oy;               // the o product
+    T* res;              // the residual stream, += o (or null)
+    float* part;         // [heads, k] partial o sums
+    u32* cnt;            // 2 + C zeroed counters
+};
+
+// Asks the L2 cache for rows [0, n) of `w` (`bytes` each, rows `row_bytes` apart).
+__device__ __forceinline__ void mla1_prefetch_rows(const u8* w, long row_bytes, unsigned bytes, int n) {
+    for (int j = threadIdx.x; j < n; j += blockDim.x) prefetch_l2_bulk(w + (long)j * row_bytes, bytes);
+}
+
+// A value of the token's kv_a row: in the fused layer launch other blocks wrote it (read past L1).
+template <bool LAYER, typename T>
+__device__ __forceinline__ float mla1_row_ld(const T* p, long i) {
+    if constexpr (LAYER) return act_load_cg(p, i);
+    else return act_load(p, i);
+}
+
+// The layer's q and kv_a rows of this block (see Mla1Layer): the normalized input staged in
+// `xs` times each row (`wq`: the block's first query row, `wk`: its first kv_a row), warp w
+// taking rows [w rp, (w + 1) rp). Query rows go to `qloc` (rounded as the activations store
+// them) and to `q`; kv_a rows to `kva`, fenced, then counted.
+template <typename T>
+__device__ void mla1_qkv(const Mla1Layer<T>& L, const u8* wq, const u8* wk, float* xs, float* red, float* qloc,
+                         T* q, T* kva, int nq, int nk, int q0, int k0, long g, long nblocks) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nch = L.k >> 3;
+    float ss = 0.0f;
+    for (int c = tid; c < nch; c += blockDim.x) {
+        float xf[8];
+        act_load8(L.x + (long)c * 8, xf);
+        const float4 ga = *reinterpret_cast<const float4*>(L.g + (long)c * 8);
+        const float4 gb = *reinterpret_cast<const float4*>(L.g + (long)c * 8 + 4);
+        const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            ss = fmaf(xf[j], xf[j], ss);
+            xf[j] *= gf[j];
+        }
+        *reinterpret_cast<float4*>(&xs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
+        *reinterpret_cast<float4*>(&xs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float s2 = 0.0f;
+#pragma unroll
+    for (int w8 = 0; w8 < MLA_WARPS; w8++) s2 += red[w8];
+    const float rstd = 1.0f / sqrtf(s2 / (float)L.k + L.eps);
+    if (L.h != nullptr && tid < 8)
+        for (long c = g; c < nch; c += nblocks) {
+            const long e = c * 8 + tid;
+            act_store(L.h, e, act_load(L.x, e) * rstd * L.g[e]);
+        }
+    const int nr = nq + nk, rp = (nr + MLA_WARPS - 1) / MLA_WARPS;
+    constexpr int MAXRP = 8;
+    float acc[MAXRP];
+    const uint4* wrow[MAXRP];
+#pragma unroll
+    for (int i = 0; i < MAXRP; i++) {
+        const int j = warp * rp + i;
+        acc[i] = 0.0f;
+        wrow[i] = reinterpret_cast<const uint4*>(j < nq ? wq + (long)j * L.row_bytes : wk + (long)(j - nq) * L.row_bytes);
+    }
+#pragma unroll 2
+    for (int c = lane; c < nch; c += 32) {
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
+#pragma unroll
+        for (int i = 0; i < MAXRP; i++) {
+            const int j = warp * rp + i;
+            if (i < rp && j < nr) {
+                float wf[8];
+                bf16x8_to_f32(__ldg(&wrow[i][c]), wf);
+                float a = acc[i];
+                a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+                a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+                a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+                a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+                acc[i] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAXRP; i++) {
+        const int j = warp * rp + i;
+        if (i < rp && j < nr) {  // warp-uniform
+            const float s = warp_sum(acc[i]) * rstd;
+            if (lane == 0) {
+                if (j < nq) {
+                    qloc[j] = act_round(q, s);
+                    act_store(q, q0 + j, s);
+                } else {
+                    act_store(kva, k0 + j - nq, s);
+                }
+            }
+        }
+    }
+    __threadfence();  // the kv_a stores, before the count
+    __syncthreads();
+    if (tid == 0 && nk > 0) atomicAdd(&L.cnt[0], 1u);
+}
+
+// The o product's partial sums of this block (rows [row0, row0 + nro), columns of head h,
+// times the head's V output `vf`), then the row chunk's sum by its last block.
+template <typename T>
+__device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int h, int heads, int b, int v, int row0,
+                       int nro) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nvc = v >> 3;
+    int lp = 1;  // lanes a row: the chunks of a row, rounded up to a power of two
+    while (lp < nvc) lp <<= 1;
+    const int per = 32 / lp;  // rows a warp at a time
+    const u8* w0 = L.wo + (long)row0 * L.wo_row_bytes + (long)h * v * 2;
+    // the lane's V values in registers; 4 rows' loads in flight at a time
+    const int c = lane % lp;
+    float vr[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) vr[e] = c < nvc ? vf[c * 8 + e] : 0.0f;
+#pragma unroll 4
+    for (int base = warp * per; base < nro; base += MLA_WARPS * per) {
+        const int j = base + lane / lp;
+        float a = 0.0f;
+        if (j < nro && c < nvc) {
+            float wf[8];
+            bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(w0 + (long)j * L.wo_row_bytes) + c), wf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) a = fmaf(wf[e], vr[e], a);
+        }
+        for (int o = lp >> 1; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        if (c == 0 && j < nro) L.part[(long)h * L.k + row0 + j] = a;
+    }
+    __threadfence();  // the partial sums, before the count
+    __syncthreads();
+    if (tid == 0) {
+        const bool last = atomicAdd(&L.cnt[2 + b], 1u) == (u32)(heads - 1);
+        if (last) L.cnt[2 + b] = 0u;
+        *flag = last;
+    }
+    __syncthreads();
+    if (*flag) {
+        __threadfence();
+        for (int j = tid; j < nro; j += blockDim.x) {
+            const long e = row0 + j;
+            float s = 0.0f;
+            // the heads' loads in flight together, added in head order
+#pragma unroll 8
+            for (int hh = 0; hh < heads; hh++) s += __ldcg(&L.part[(long)hh * L.k + e]);
+            act_store(L.oy, e, s);
+            if (L.res != nullptr) act_store(L.res, e, act_load(L.res, e) + act_round(L.oy, s));
+        }
+    }
+}
+
+template <typename T, typename WT, bool LAYER>
 __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain,
                               const float* inv_freq, const long* slots, const int* positions, const int* tok_seq,
                               const int* tables, int table_width, int block_size, int heads, int nope, int dr, int v,
-                              int r, float eps, float rs, int interleaved, float scale_log2) {
+                              int r, float eps, float rs, int interleaved, float scale_log2,
+                              const Mla1Layer<T>& L) {
     constexpr int KT = sizeof(T) == 2 ? 32 : 16;  // keys a tile: 36 KB either way
     __shared__ __align__(16) T kt[KT][MLA_MAXW];
     __shared__ long slot_of[KT];
@@ -733,6 +919,13 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     __shared__ float sc[KT], ps[KT];
     __shared__ float ml[2];
     __shared__ float red[32];
+    // LAYER: this block's query rows, the head's V output, the last-block flag; the input in
+    // f32 in dynamic shared memory
+    __shared__ float qloc[LAYER ? MLA1_MAXQR : 1];
+    __shared__ float vloc[LAYER ? MLA1_MAXVR : 1];
+    __shared__ float vfull[LAYER ? MLA1_MAXV : 1];
+    __shared__ int oflag;
+    extern __shared__ __align__(16) float mla1_xs[];
     const int b = blockIdx.x, C = gridDim.x, h = blockIdx.y, t = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int W = r + dr, qk = nope + dr, half = dr / 2;
@@ -772,29 +965,67 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
 #pragma unroll
         for (int i = 0; i < 2; i++)
             if (tid + i * MLA1_THREADS < r) g2[i] = gain[tid + i * MLA1_THREADS];
+    // LAYER: this block's q and kv_a rows (see Mla1Layer), asked of the L2 cache first
+    const long g = (long)h * C + b, nblocks = (long)heads * C;
+    const int q0 = min(qk, b * L.rq), nq = min(qk, q0 + L.rq) - q0;
+    const int kr0 = (int)min((long)W, g * L.rk), nkv = (int)min((long)W, kr0 + (long)L.rk) - kr0;
+    const u8* wq = L.wq + ((long)h * qk + q0) * L.row_bytes;
+    const u8* wk = L.wk + (long)kr0 * L.row_bytes;
+    if constexpr (LAYER) {
+        mla1_prefetch_rows(wq, L.row_bytes, (unsigned)L.k * 2, nq);
+        mla1_prefetch_rows(wk, L.row_bytes, (unsigned)L.k * 2, nkv);
+    }
     if (k0 < k1) mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
     pdl_wait();
 
-    // The step's inputs, loaded together: the nope query, the rope query and, in the owner,
-    // the token's kv_a row.
     const T* qh = q + ((long)t * heads + h) * qk;
     const T* row = kva + (long)t * W;
+    const int ro = (L.k + C - 1) / C, or0 = min(L.k, b * ro), nro = min(L.k, or0 + ro) - or0;
+    if constexpr (LAYER) {
+        mla1_qkv<T>(L, wq, wk, mla1_xs, red, qloc, const_cast<T*>(qh), const_cast<T*>(row), nq, nkv, q0, kr0, g,
+                    nblocks);
+        di_trace_phase(5);
+        // the o rows (this head's columns), for after the attention
+        if (L.wo != nullptr)
+            mla1_prefetch_rows(L.wo + (long)or0 * L.wo_row_bytes + (long)h * v * 2, L.wo_row_bytes, (unsigned)v * 2,
+                               nro);
+        cluster_sync();  // the cluster's query rows
+    }
+
+    // The step's inputs, loaded together: the nope query, the rope query and, in the owner,
+    // the token's kv_a row.
     float xn = 0.0f, qx = 0.0f, qy = 0.0f, kx[2] = {0.0f, 0.0f}, ky = 0.0f, kz = 0.0f;
     const int ia = interleaved ? 2 * tid : tid, ib = interleaved ? 2 * tid + 1 : tid + half;
-    if (tid < nope) xn = act_load(qh, tid);
-    if (tid < half) {
-        qx = act_load(qh, nope + ia);
-        qy = act_load(qh, nope + ib);
+    if constexpr (LAYER) {
+        const int rq = L.rq;
+        if (tid < nope) xn = cluster_ld(&qloc[tid % rq], tid / rq);
+        if (tid < half) {
+            qx = cluster_ld(&qloc[(nope + ia) % rq], (nope + ia) / rq);
+            qy = cluster_ld(&qloc[(nope + ib) % rq], (nope + ib) / rq);
+        }
+        // every block's kv_a rows, before the owner reads the token's row
+        if (owner) {
+            if (tid == 0)
+                while (ld_acquire_u32(&L.cnt[0]) < (u32)min(nblocks, (long)(W + L.rk - 1) / L.rk)) __nanosleep(32);
+            __syncthreads();
+        }
+    } else {
+        if (tid < nope) xn = act_load(qh, tid);
+        if (tid < half) {
+            qx = act_load(qh, nope + ia);
+            qy = act_load(qh, nope + ib);
+        }
     }
     if (owner) {
 #pragma unroll
         for (int i = 0; i < 2; i++)
-            if (tid + i * MLA1_THREADS < r) kx[i] = act_load(row, tid + i * MLA1_THREADS);
+            if (tid + i * MLA1_THREADS < r) kx[i] = mla1_row_ld<LAYER>(row, tid + i * MLA1_THREADS);
         if (tid < half) {
-            ky = act_load(row, r + ia);
-            kz = act_load(row, r + ib);
+            ky = mla1_row_ld<LAYER>(row, r + ia);
+            kz = mla1_row_ld<LAYER>(row, r + ib);
         }
     }
+    if (LAYER) di_trace_phase(6);
     if (tid < nope) qn[tid] = xn;  // nope <= MLA_MAXNOPE = MLA1_THREADS
     __syncthreads();  // qn, cs, sn
     if (tid < half) {
@@ -992,11 +1223,26 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             }
         }
         s = warp_sum(s);
-        if (lane == 0) act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
+        if (lane == 0) {
+            act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
+            if (LAYER) vloc[jj] = act_round(out, s);
+        }
     }
     di_trace_phase(4);
+    if constexpr (LAYER) {
+        cluster_sync();  // the head's V output, gathered for the o product
+        for (int e = tid; e < v; e += blockDim.x) vfull[e] = cluster_ld(&vloc[e % vc], e / vc);
+    }
     // No block leaves while the cluster may still read its shared memory.
     cluster_sync();
+    if constexpr (LAYER) {
+        if (L.wo != nullptr) mla1_o<T>(L, vfull, &oflag, h, heads, b, v, or0, nro);
+        di_trace_phase(7);
+        if (tid == 0 && atomicAdd(&L.cnt[1], 1u) == (u32)(nblocks - 1)) {
+            L.cnt[0] = 0u;
+            L.cnt[1] = 0u;
+        }
+    }
 }
 
 #define MLA_DEC1_WRAPPER(T, S, WT, WS)                                                                               \
@@ -1006,8 +1252,9 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
         float scale_log2) {                                                                                          \
         pdl_launch_dependents();                                                                                     \
-        mla_dec1_impl<T, WT>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables, table_width,  \
-                             block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2);                   \
+        mla_dec1_impl<T, WT, false>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,        \
+                                    table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2, \
+                                    Mla1Layer<T>{});                                                                 \
     }
 
 #define MLA_WRAPPERS(T, S)                                                                                           \
@@ -1084,3 +1331,19 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
 
 MLA_WRAPPERS(float, f32)
 MLA_WRAPPERS(bf16_t, bf16)
+
+// `mla_dec1` with the layer's attention half around it (Mla1Layer): bf16 activations and
+// weights, one token. Dynamic shared memory: the input in f32 (4 k bytes).
+extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_layer1_bf16(
+    bf16_t* out, bf16_t* q, bf16_t* kva, const bf16_t* w, bf16_t* cache, const float* gain, const float* inv_freq,
+    const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width, int block_size,
+    int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved, float scale_log2,
+    const bf16_t* x, const float* ngain, float neps, bf16_t* hn, const u8* wq, const u8* wk, long row_bytes, int k,
+    int rq, int rk, const u8* wo, long wo_row_bytes, bf16_t* oy, bf16_t* res, float* part, u32* cnt) {
+    pdl_launch_dependents();
+    const Mla1Layer<bf16_t> L{x, ngain, neps, hn, wq, wk, row_bytes, k, rq, rk, wo, wo_row_bytes, oy, res, part,
+                              cnt};
+    mla_dec1_impl<bf16_t, bf16_t, true>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,
+                                        table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved,
+                                        scale_log2, L);
+}

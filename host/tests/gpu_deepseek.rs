@@ -53,6 +53,17 @@ mod gpu {
         ds2: bool,
         fuse_mla: bool,
     ) -> Option<CudaBackend> {
+        cuda_layer(act, fuse_moe, ds2, fuse_mla, false)
+    }
+
+    /// ... and the fused attention half of a layer on or off.
+    fn cuda_layer(
+        act: Option<Act>,
+        fuse_moe: bool,
+        ds2: bool,
+        fuse_mla: bool,
+        fuse_layer: bool,
+    ) -> Option<CudaBackend> {
         if let Some(why) = unavailable_reason() {
             eprintln!("skipped: {why}");
             return None;
@@ -62,6 +73,7 @@ mod gpu {
             fuse_moe,
             ds2: if ds2 { Ds2::ALL } else { Ds2::NONE },
             fuse_mla,
+            fuse_layer,
             ..CudaOptions::from_env().expect("CUDA options")
         };
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
@@ -210,6 +222,18 @@ mod gpu {
         }
     }
 
+    /// Moonlight-16B-A3B's attention: 16 heads of 128 nope, 64 rope and 128 V values over a
+    /// latent of 512.
+    fn moonlight_heads() -> MlaDims {
+        MlaDims {
+            heads: 16,
+            nope: 128,
+            rope: 64,
+            v: 128,
+            latent: 512,
+        }
+    }
+
     fn mla_case_of(rng: &mut Rng, dims: MlaDims) -> MlaCase {
         let (heads, latent) = (dims.heads, dims.latent);
         let p = MlaParams {
@@ -301,13 +325,7 @@ mod gpu {
             // the fused kernel (clusters of 8 and 4), and Moonlight's head shape; the ds2
             // kernels (the default), the earlier ones, and the three launches instead of the
             // fused one
-            let moon = MlaDims {
-                heads: 16,
-                nope: 128,
-                rope: 64,
-                v: 128,
-                latent: 512,
-            };
+            let moon = moonlight_heads();
             let shapes = [
                 small_heads(5, 40),
                 small_heads(21, 72),
@@ -364,6 +382,159 @@ mod gpu {
             assert!(be
                 .mla_attention(&mut step, &mut kv, 5, &p, &w, &mut qb, &kvb, &mut out)
                 .is_err());
+        }
+    }
+
+    /// The attention half of a decoder layer as the model queues it, on bf16 weights: the
+    /// RMSNorm of the residual stream, the q and kv_a products, the attention, the o product
+    /// and the residual add (one decode token of it is a single launch with `fuse_layer`).
+    struct AttnHalf<W> {
+        gain: W,
+        wq: W,
+        wkva: W,
+        wo: W,
+        mla: [W; 3],
+    }
+
+    fn prepare_half<B: Backend>(be: &B, w: &AttnHalf<Weight>) -> AttnHalf<B::Weight> {
+        let p = |w: &Weight| be.prepare_weight(w).unwrap();
+        AttnHalf {
+            gain: p(&w.gain),
+            wq: p(&w.wq),
+            wkva: p(&w.wkva),
+            wo: p(&w.wo),
+            mla: [p(&w.mla[0]), p(&w.mla[1]), p(&w.mla[2])],
+        }
+    }
+
+    /// Runs one step of the attention half on `x` (the residual stream, updated); returns
+    /// the stream, the normalized input, the o product and the queue ops it flushed.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_half<B: Backend>(
+        be: &B,
+        w: &AttnHalf<B::Weight>,
+        p: &MlaParams,
+        kv: &mut B::MlaKv,
+        batch: &Batch,
+        x: &[f32],
+        hidden: usize,
+        ops: &dyn Fn() -> u64,
+    ) -> ([Vec<f32>; 3], u64) {
+        let d = p.dims;
+        let n = batch.n_tokens();
+        let before = ops();
+        let mut step = be.prepare_step(batch, 8).unwrap();
+        let mut xb = be.upload(x).unwrap();
+        let mut h = be.zeros(n * hidden).unwrap();
+        be.rms_norm(&xb, &w.gain, 1e-6, &mut h).unwrap();
+        let mut q = be.zeros(n * d.q_width()).unwrap();
+        be.matmul(&w.wq, &h, n, &mut q).unwrap();
+        let mut kva = be.zeros(n * (d.latent + d.rope)).unwrap();
+        be.matmul(&w.wkva, &h, n, &mut kva).unwrap();
+        let mut att = be.zeros(n * d.heads * d.v).unwrap();
+        be.mla_attention(
+            &mut step,
+            kv,
+            0,
+            p,
+            &mla_weights(&w.mla),
+            &mut q,
+            &kva,
+            &mut att,
+        )
+        .unwrap();
+        let mut o = be.zeros(n * hidden).unwrap();
+        be.matmul(&w.wo, &att, n, &mut o).unwrap();
+        be.add_assign(&mut xb, &o).unwrap();
+        let out = [&xb, &h, &o].map(|b| be.to_host(b).unwrap());
+        (out, ops() - before)
+    }
+
+    #[test]
+    fn fused_attention_half_matches_the_separate_launches_and_the_cpu() {
+        let Some(fused) = cuda_layer(Some(Act::Bf16), true, true, true, true) else {
+            return;
+        };
+        let apart = cuda_layer(Some(Act::Bf16), true, true, true, false).expect("a second backend");
+        // why a step would not take the fused launch, if it does not
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("deepinfer::backend::cuda=debug")
+            .with_test_writer()
+            .try_init();
+        let mut rng = Rng::fresh("attn_half");
+        let moon = moonlight_heads();
+        // Moonlight's attention (clusters of 8); small heads of 5 over a hidden width of 257
+        // chunks of 8 (the q / kv_a product folds the norm in from 2,048) and a latent of 32
+        // (clusters of 4)
+        for (dims, hidden) in [(moon, 2048), (small_heads(5, 32), 2056)] {
+            let c = mla_case_of(&mut rng, dims);
+            let p = c.p;
+            let width = dims.latent + dims.rope;
+            let gain: Vec<f32> = rng.vec(hidden, 0.5).iter().map(|g| 1.0 + g).collect();
+            let wq = rng.vec(dims.q_width() * hidden, 1.0 / (hidden as f32).sqrt());
+            let wkva = rng.vec(width * hidden, 1.0 / (hidden as f32).sqrt());
+            let wo = rng.vec(hidden * dims.heads * dims.v, 0.5 / (dims.v as f32).sqrt());
+            let kv_b = rng.vec(dims.heads * (dims.nope + dims.v) * dims.latent, 0.1);
+            let host = AttnHalf {
+                gain: Weight::from_f32(1, hidden, &gain),
+                wq: bf16_weight(dims.q_width(), hidden, &wq),
+                wkva: bf16_weight(width, hidden, &wkva),
+                wo: bf16_weight(hidden, dims.heads * dims.v, &wo),
+                mla: [
+                    c.kv_a_norm.clone(),
+                    bf16_weight(dims.heads * (dims.nope + dims.v), dims.latent, &kv_b),
+                    c.inv_freq.clone(),
+                ],
+            };
+            let cpu = CpuBackend::new(2);
+            let (wc, wf, wa) = (
+                prepare_half(&cpu, &host),
+                prepare_half(&fused, &host),
+                prepare_half(&apart, &host),
+            );
+            let mut kvc = cpu.new_mla_kv(1, 64, 8, width).unwrap();
+            let mut kvf = fused.new_mla_kv(1, 64, 8, width).unwrap();
+            let mut kva = apart.new_mla_kv(1, 64, 8, width).unwrap();
+            let table: Vec<u32> = (10..24).rev().collect();
+            // a prompt of 67 tokens (the separate launches in both), then 5 decode steps
+            let mut steps = vec![(0usize, 67usize)];
+            steps.extend((67..72).map(|pos| (pos, 1)));
+            let (no_ops, of, oa) = (|| 0, || fused.stats().ops, || apart.stats().ops);
+            for (pos, n) in steps {
+                let mut b = Batch::default();
+                b.push(&vec![1; n], pos, table.clone(), true);
+                let x = rng.vec(n * hidden, 1.0);
+                let (want, _) = attn_half(&cpu, &wc, &p, &mut kvc, &b, &x, hidden, &no_ops);
+                let (got, nf) = attn_half(&fused, &wf, &p, &mut kvf, &b, &x, hidden, &of);
+                let (base, na) = attn_half(&apart, &wa, &p, &mut kva, &b, &x, hidden, &oa);
+                for (i, what) in ["stream", "normalized input", "o product"]
+                    .iter()
+                    .enumerate()
+                {
+                    let (e, ec) = (
+                        max_err(&got[i], &base[i], hidden),
+                        max_err(&got[i], &want[i], hidden),
+                    );
+                    eprintln!(
+                        "{} heads, hidden {hidden}, {n} tokens at {pos}, {what}: fused vs separate {e:.2e}, vs CPU {ec:.2e} ({nf} against {na} ops)",
+                        dims.heads
+                    );
+                    assert!(
+                        e < 3e-2 && ec < 5e-2,
+                        "{what}, {n} tokens at {pos}: {e:e} {ec:e}"
+                    );
+                }
+                if n == 1 {
+                    // one launch in place of the q / kv_a product, the attention and the o
+                    // product (and the add, where the o product could not take it)
+                    assert!(
+                        nf + 2 <= na,
+                        "{n} tokens at {pos}: the fused layer launch ran"
+                    );
+                } else {
+                    assert_eq!(nf, na, "a prompt takes the separate launches");
+                }
+            }
         }
     }
 

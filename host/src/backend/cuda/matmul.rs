@@ -242,6 +242,9 @@ fn widen(inner: &Inner, act: Act, kr: (KernelId, usize), rows: usize) -> (Kernel
 fn gemv(inner: &Arc<Inner>, act: Act, w: &CudaWeight, x: &CudaBuf, n: usize, y: &CudaBuf) {
     let seg = (w.ptr(), y.ptr(), w.rows);
     let mut q = inner.queue();
+    if inner.opts.fuse && super::mla::fold_o(inner, &mut q, w, x.ptr(), n, y.ptr()) {
+        return;
+    }
     if inner.opts.fuse {
         if let Some(Op::Gemv(g)) = q.last_mut() {
             if g.wtype == w.wtype

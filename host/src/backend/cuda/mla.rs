@@ -144,6 +144,203 @@ const FUSED_MAX_BLOCKS: usize = 4 * 132;
 /// launches at contexts 897..1024 (Moonlight step 2.81 against 3.00 ms), by less than at 256.
 const FUSED_MAX_CTX: usize = 1024;
 
+/// The fused layer launch (`mla_layer1`, `CudaOptions::fuse_layer`) in place of `mla_dec1`:
+/// its kernel, dynamic shared memory and the arguments after `mla_dec1`'s (see `Mla1Layer` in
+/// `kernels/mla.cu`), with the o product and the residual add left out until
+/// [`fold_o`] and [`fold_add`] fold them in.
+struct LayerLaunch {
+    kernel: super::module::KernelId,
+    smem: u32,
+    args: Vec<u64>,
+}
+
+/// Arguments of `mla_dec1` (the fused layer launch's first ones).
+const DEC1_ARGS: usize = 22;
+/// Where the fused layer launch's o weights, their row bytes, the o output, the residual
+/// stream, the partial sums and the counters go.
+const L_WO: usize = DEC1_ARGS + 10;
+const L_OY: usize = L_WO + 2;
+const L_RES: usize = L_WO + 3;
+const L_ARGS: usize = L_WO + 6;
+/// Most query rows, q + kv_a rows and V values a block of the fused layer launch takes
+/// (`MLA1_MAXQR`, `MLA1_MAXLR`, `MLA1_MAXV`).
+const L_MAX_QROWS: usize = 192;
+const L_MAX_ROWS: usize = 64;
+const L_MAX_V: usize = 256;
+/// Counters of the fused layer launch: the kv_a rows, the blocks done, one per row chunk.
+pub(crate) const LAYER_COUNTERS: usize = 2 + 8;
+
+/// Takes back the q / kv_a GEMV just queued (the RMSNorm folded in, one token, bf16) into the
+/// fused layer launch of these `c`-block clusters when everything it needs holds: bf16
+/// activations and kv_b, both products in that GEMV writing `q` and `kva`, the block's rows
+/// in the shared memory the device has, and the device holding every cluster at once (a
+/// block waits for the others' kv_a rows). `None` leaves the queue as it was.
+fn fold_qkv(
+    inner: &Arc<Inner>,
+    step: &CudaStep,
+    p: &MlaParams,
+    w: &MlaWeights<'_, CudaWeight>,
+    q: &CudaBuf,
+    kva: &CudaBuf,
+    c: usize,
+) -> Result<Option<LayerLaunch>> {
+    // why a one-token step does not take it (`DEEPINFER_LOG=deepinfer=debug` shows it)
+    fn skip(why: &str) -> Result<Option<LayerLaunch>> {
+        tracing::debug!("the fused layer launch is not used: {why}");
+        Ok(None)
+    }
+    let d = p.dims;
+    let k = &inner.module.deepseek[1];
+    if !inner.opts.fuse_layer || step.n_tokens != 1 {
+        return Ok(None);
+    }
+    let Some(kernel) = k.mla_layer1 else {
+        return skip("no bf16 kernel");
+    };
+    let ci = match c {
+        2 => 0,
+        4 => 1,
+        8 => 2,
+        _ => return skip("clusters of another size"),
+    };
+    let (qk, width) = (d.nope + d.rope, d.latent + d.rope);
+    if inner.act() != Act::Bf16 || w.kv_b.wtype != WType::Bf16 {
+        return skip("f32 activations or kv_b weights");
+    }
+    if (k.mla_layer1_clusters[ci] as usize) < d.heads {
+        return skip(&format!(
+            "the device holds {} clusters of {c} at once, {} heads need as many",
+            k.mla_layer1_clusters[ci], d.heads
+        ));
+    }
+    if !d.v.is_multiple_of(8) || d.v > L_MAX_V {
+        return skip("v not a multiple of 8 up to 256");
+    }
+    let (rq, rk) = (qk.div_ceil(c), width.div_ceil(d.heads * c));
+    let mut queue = inner.queue();
+    let Some(Op::Gemv(g)) = queue.last_mut() else {
+        return skip("the q / kv_a product is not the last op");
+    };
+    let Some((raw, gain, eps)) = g.norm else {
+        return skip("no RMSNorm folded into the q / kv_a product");
+    };
+    let hidden = g.p.k;
+    let s = &g.p.segs;
+    // the input in f32
+    let smem = hidden * 4;
+    if g.p.n != 1
+        || g.wtype != WType::Bf16
+        || g.res != 0
+        || g.swiglu
+        || s.len() != 2
+        || s[0].1 != q.ptr()
+        || s[0].2 != d.heads * qk
+        || s[1].1 != kva.ptr()
+        || s[1].2 != width
+        || !hidden.is_multiple_of(8)
+        || !g.p.row_bytes.is_multiple_of(16)
+    {
+        return skip("the last op is not one bf16 product of q and kv_a");
+    }
+    if rq > L_MAX_QROWS || rq + rk > L_MAX_ROWS || smem > k.mla_layer1_smem as usize {
+        return skip(&format!(
+            "{rq} + {rk} rows a block, {smem} bytes of shared memory (at most {})",
+            k.mla_layer1_smem
+        ));
+    }
+    let Some(cnt) = inner.layer_counters() else {
+        return skip("no counters");
+    };
+    let (wq, wk, row_bytes, hn) = (s[0].0, s[1].0, g.p.row_bytes, g.p.x);
+    queue.pop();
+    drop(queue);
+    let part = inner.scratch(d.heads * hidden, 4)?;
+    let mut args = vec![
+        raw,
+        gain,
+        eps as u64,
+        hn,
+        wq,
+        wk,
+        row_bytes as u64,
+        hidden as u64,
+        rq as u64,
+        rk as u64,
+    ];
+    // o weights, row bytes, output, residual: [`fold_o`], [`fold_add`]
+    args.extend_from_slice(&[0, 0, 0, 0, part.ptr(), cnt]);
+    debug_assert_eq!(DEC1_ARGS + args.len(), L_ARGS);
+    Ok(Some(LayerLaunch {
+        kernel,
+        smem: smem as u32,
+        args,
+    }))
+}
+
+/// The arguments of the fused layer launch just queued, if that is the last op.
+fn last_layer<'a>(inner: &Inner, queue: &'a mut super::queue::Queue) -> Option<&'a mut Vec<u64>> {
+    let kernel = inner.module.deepseek[1].mla_layer1?;
+    match queue.last_mut() {
+        Some(Op::Cluster {
+            kernel: k, args, ..
+        }) if *k == kernel && args.len() == L_ARGS => Some(args),
+        _ => None,
+    }
+}
+
+/// Folds the o product `y = w x` (one token) into the fused layer launch just queued when `x`
+/// is its attention output and `w` the bf16 matrix of its shape; true when it did.
+pub(crate) fn fold_o(
+    inner: &Inner,
+    queue: &mut super::queue::Queue,
+    w: &CudaWeight,
+    x: u64,
+    n: usize,
+    y: u64,
+) -> bool {
+    let Some(args) = last_layer(inner, queue) else {
+        return false;
+    };
+    // mla_dec1's heads and v, the launch's hidden width
+    let (heads, v, hidden) = (
+        args[13] as usize,
+        args[16] as usize,
+        args[DEC1_ARGS + 7] as usize,
+    );
+    if n != 1
+        || args[L_WO] != 0
+        || args[0] != x
+        || w.wtype != WType::Bf16
+        || w.rows != hidden
+        || w.cols != heads * v
+        || !w.row_bytes.is_multiple_of(16)
+        || y == x
+    {
+        return false;
+    }
+    args[L_WO] = w.ptr();
+    args[L_WO + 1] = w.row_bytes as u64;
+    args[L_OY] = y;
+    true
+}
+
+/// Folds `res += y` (`n` values) into the fused layer launch just queued when `y` is its o
+/// product; true when it did.
+pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
+    if !(inner.opts.fuse && inner.opts.fuse_add) {
+        return false;
+    }
+    let mut queue = inner.queue();
+    let Some(args) = last_layer(inner, &mut queue) else {
+        return false;
+    };
+    if args[L_OY] != y || args[L_RES] != 0 || n != args[DEC1_ARGS + 7] as usize || res == y {
+        return false;
+    }
+    args[L_RES] = res;
+    true
+}
+
 fn weight_index(w: &CudaWeight, what: &str) -> Result<usize> {
     match w.wtype {
         WType::F32 => Ok(0),
@@ -235,7 +432,8 @@ pub(crate) fn attention(
     }
     let f = |v: f32| v.to_bits() as u64;
     if let Some(c) = fused_cluster(inner, step, p) {
-        inner.push(Op::Cluster {
+        let layer = fold_qkv(inner, step, p, w, q, kva, c)?;
+        let mut op = Op::Cluster {
             kernel: k.mla_dec1[wi],
             grid: [c as u32, heads as u32, n as u32],
             block: 256,
@@ -265,7 +463,19 @@ pub(crate) fn attention(
                 p.interleaved as u64,
                 f(p.scale * std::f32::consts::LOG2_E),
             ],
-        });
+        };
+        if let (
+            Some(l),
+            Op::Cluster {
+                kernel, smem, args, ..
+            },
+        ) = (layer, &mut op)
+        {
+            *kernel = l.kernel;
+            *smem = l.smem;
+            args.extend_from_slice(&l.args);
+        }
+        inner.push(op);
         return Ok(());
     }
     let qf = inner.scratch(n * heads * width, 4)?;

@@ -139,6 +139,11 @@ pub struct CudaOptions {
     /// (`mla_dec1`: query absorption, the cache write, attention, the split merge and the V
     /// up-projection) instead of three (sm_90+).
     pub fuse_mla: bool,
+    /// One-token bf16 decode steps run a layer's whole attention half in that launch
+    /// (`mla_layer1`: the RMSNorm and the q / kv_a products before it, the o product and the
+    /// residual add after it) where the device holds all its clusters at once. Off by
+    /// default: on the H200 it is slower than the three launches (doc/benchmarks.md).
+    pub fuse_layer: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -282,6 +287,7 @@ impl Default for CudaOptions {
             fuse_moe: true,
             ds2: Ds2::DEFAULT,
             fuse_mla: true,
+            fuse_layer: false,
         }
     }
 }
@@ -291,7 +297,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
-    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
+    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
@@ -349,6 +355,7 @@ impl CudaOptions {
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
+        o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;
         }
@@ -501,7 +508,16 @@ impl Inner {
             unsafe { cudarc::driver::result::memset_d8_sync(mem.ptr, 0, bytes) }.ok()?;
             Some(mem)
         });
-        mem.as_ref().filter(|_| n <= ATTN_COUNTERS).map(|m| m.ptr)
+        mem.as_ref()
+            .filter(|_| n <= ATTN_COUNTERS - mla::LAYER_COUNTERS)
+            .map(|m| m.ptr)
+    }
+
+    /// The fused MLA layer launch's counters (`mla::LAYER_COUNTERS` of them, zeroed, kept
+    /// apart from the attention counters at the end of the same allocation).
+    fn layer_counters(&self) -> Option<u64> {
+        let base = self.counters(0)?;
+        Some(base + ((ATTN_COUNTERS - mla::LAYER_COUNTERS) * 4) as u64)
     }
 
     /// Frees `mem` once queued work that may use it has run.

@@ -372,6 +372,13 @@ pub struct DeepseekKernels {
     /// The three MLA kernels in one cluster launch for decode steps of one token a sequence
     /// (`CudaOptions::fuse_mla`), by weight type.
     pub mla_dec1: [KernelId; 2],
+    /// `mla_dec1` with the layer's attention half around it (`CudaOptions::fuse_layer`; bf16
+    /// activations and weights only).
+    pub mla_layer1: Option<KernelId>,
+    /// The dynamic shared memory `mla_layer1` may ask for, bytes, and how many of its clusters
+    /// of 2, 4 and 8 blocks the device holds at once with that much (0 where unknown).
+    pub mla_layer1_smem: u32,
+    pub mla_layer1_clusters: [u32; 3],
     pub moe_route: KernelId,
     /// By weight type and assignments per pass (1, 8).
     pub moe_gateup: [[KernelId; 2]; 2],
@@ -622,6 +629,13 @@ impl Module {
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
                 mla_v_up2: [n("mla_v_up2_wf32")?, n("mla_v_up2_wbf16")?],
                 mla_dec1: [n("mla_dec1_wf32")?, n("mla_dec1_wbf16")?],
+                mla_layer1: if s == "bf16" {
+                    Some(n("mla_layer1")?)
+                } else {
+                    None
+                },
+                mla_layer1_smem: 0,
+                mla_layer1_clusters: [0; 3],
                 moe_route: n("moe_route")?,
                 moe_gateup: [
                     [n("moe_gateup_wf32_t1")?, n("moe_gateup_wf32_t8")?],
@@ -719,6 +733,15 @@ impl Module {
                 };
                 *own = fill.map_or(0, |b| b as u32);
             }
+            if let Some(k) = ds.mla_layer1 {
+                (ds.mla_layer1_smem, ds.mla_layer1_clusters) =
+                    layer_occupancy(funcs[k.0 as usize].cu_function(), max_smem);
+                tracing::debug!(
+                    "mla_layer1: {} bytes of dynamic shared memory, clusters of 2 / 4 / 8 held at once {:?}",
+                    ds.mla_layer1_smem,
+                    ds.mla_layer1_clusters
+                );
+            }
         }
         Ok(Module {
             funcs,
@@ -756,6 +779,61 @@ impl Module {
     }
 }
 
+/// The dynamic shared memory `mla_layer1` may have (its f32 input: hidden widths up to 8,192).
+const MLA_LAYER1_SMEM: usize = 32 * 1024;
+
+/// Raises `f`'s (`mla_layer1`'s) dynamic shared memory limit to [`MLA_LAYER1_SMEM`] and asks
+/// how many clusters of 2, 4 and 8 blocks of 256 threads with that much the device holds at
+/// once: (limit, clusters), zeros where a call fails or the device has too little (the fused
+/// layer launch is then not used).
+fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
+    use cudarc::driver::result::function as func;
+    use sys::CUfunction_attribute_enum as A;
+    // SAFETY: `f` is a kernel of the loaded module; the value set is within the device's
+    // opt-in limit less the kernel's static shared memory.
+    let fill = unsafe {
+        func::get_function_attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).and_then(|st| {
+            let fill = max_smem
+                .saturating_sub(st.max(0) as usize)
+                .min(MLA_LAYER1_SMEM) as i32;
+            func::set_function_attribute(
+                f,
+                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                fill,
+            )
+            .map(|()| fill as u32)
+        })
+    };
+    let Ok(fill) = fill else {
+        return (0, [0; 3]);
+    };
+    let mut clusters = [0u32; 3];
+    for (c, out) in [2u32, 4, 8].into_iter().zip(clusters.iter_mut()) {
+        // SAFETY: all-zero is a valid launch attribute; the one set is the cluster shape.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim =
+            sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: c, y: 1, z: 1 };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: c,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 256,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: fill,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `cfg` and `attr` outlive the call, which only reads them and writes `n`.
+        let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }.result();
+        *out = if ok.is_ok() { n.max(0) as u32 } else { 0 };
+    }
+    (fill, clusters)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -788,6 +866,7 @@ mod tests {
             "mla_decode2_bf16",
             "mla_dec1_wbf16_bf16",
             "mla_dec1_wf32_f32",
+            "mla_layer1_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
             "gemt_t24",

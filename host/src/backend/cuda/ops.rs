@@ -165,6 +165,7 @@ pub(crate) fn add_assign(inner: &Arc<Inner>, x: &mut CudaBuf, y: &CudaBuf) -> Re
     let n = x.len.min(y.len);
     if n > 0
         && !super::moe::fold_add(inner, x.ptr(), y.ptr(), n)
+        && !super::mla::fold_add(inner, x.ptr(), y.ptr(), n)
         && !super::matmul::fold_add(inner, x.ptr(), y.ptr(), n)
     {
         let kernel = inner.module.act(inner.act()).add;
