@@ -802,7 +802,7 @@ __device__ void mla1_qkv(const Mla1Layer<T>& L, const u8* wq, const u8* wk, floa
             act_store(L.h, e, act_load(L.x, e) * rstd * L.g[e]);
         }
     const int nr = nq + nk, rp = (nr + MLA_WARPS - 1) / MLA_WARPS;
-    constexpr int MAXRP = 8;
+    constexpr int MAXRP = MLA1_MAXLR / MLA_WARPS;  // rows a warp
     float acc[MAXRP];
     const uint4* wrow[MAXRP];
 #pragma unroll

@@ -154,8 +154,12 @@ struct LayerLaunch {
     args: Vec<u64>,
 }
 
-/// Arguments of `mla_dec1` (the fused layer launch's first ones).
+/// Arguments of `mla_dec1` (the fused layer launch's first ones), where its head count and
+/// V width are, and where the fused launch's hidden width is.
 const DEC1_ARGS: usize = 22;
+const A_HEADS: usize = 13;
+const A_V: usize = 16;
+const L_K: usize = DEC1_ARGS + 7;
 /// Where the fused layer launch's o weights, their row bytes, the o output, the residual
 /// stream, the partial sums and the counters go.
 const L_WO: usize = DEC1_ARGS + 10;
@@ -252,9 +256,10 @@ fn fold_qkv(
         return skip("no counters");
     };
     let (wq, wk, row_bytes, hn) = (s[0].0, s[1].0, g.p.row_bytes, g.p.x);
-    queue.pop();
     drop(queue);
+    // allocated before the GEMV is taken back, so a failure leaves the queue as it was
     let part = inner.scratch(d.heads * hidden, 4)?;
+    inner.queue().pop();
     let mut args = vec![
         raw,
         gain,
@@ -301,11 +306,10 @@ pub(crate) fn fold_o(
     let Some(args) = last_layer(inner, queue) else {
         return false;
     };
-    // mla_dec1's heads and v, the launch's hidden width
     let (heads, v, hidden) = (
-        args[13] as usize,
-        args[16] as usize,
-        args[DEC1_ARGS + 7] as usize,
+        args[A_HEADS] as usize,
+        args[A_V] as usize,
+        args[L_K] as usize,
     );
     if n != 1
         || args[L_WO] != 0
@@ -334,7 +338,7 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
     let Some(args) = last_layer(inner, &mut queue) else {
         return false;
     };
-    if args[L_OY] != y || args[L_RES] != 0 || n != args[DEC1_ARGS + 7] as usize || res == y {
+    if args[L_OY] != y || args[L_RES] != 0 || n != args[L_K] as usize || res == y {
         return false;
     }
     args[L_RES] = res;
@@ -433,49 +437,46 @@ pub(crate) fn attention(
     let f = |v: f32| v.to_bits() as u64;
     if let Some(c) = fused_cluster(inner, step, p) {
         let layer = fold_qkv(inner, step, p, w, q, kva, c)?;
-        let mut op = Op::Cluster {
-            kernel: k.mla_dec1[wi],
+        let mut args = vec![
+            out.ptr(),
+            q.ptr(),
+            kva.ptr(),
+            w.kv_b.ptr(),
+            cache,
+            w.kv_a_norm.ptr(),
+            w.inv_freq.ptr(),
+            step.slots(),
+            step.positions(),
+            step.tok_seq(),
+            step.tables(),
+            step.width as u64,
+            step.block_size as u64,
+            heads as u64,
+            d.nope as u64,
+            dr as u64,
+            d.v as u64,
+            r as u64,
+            f(p.eps),
+            f(p.rope_scale),
+            p.interleaved as u64,
+            f(p.scale * std::f32::consts::LOG2_E),
+        ];
+        debug_assert_eq!(args.len(), DEC1_ARGS);
+        let (kernel, smem) = match layer {
+            Some(l) => {
+                args.extend_from_slice(&l.args);
+                (l.kernel, l.smem)
+            }
+            None => (k.mla_dec1[wi], 0),
+        };
+        inner.push(Op::Cluster {
+            kernel,
             grid: [c as u32, heads as u32, n as u32],
             block: 256,
             cluster: c as u32,
-            smem: 0,
-            args: vec![
-                out.ptr(),
-                q.ptr(),
-                kva.ptr(),
-                w.kv_b.ptr(),
-                cache,
-                w.kv_a_norm.ptr(),
-                w.inv_freq.ptr(),
-                step.slots(),
-                step.positions(),
-                step.tok_seq(),
-                step.tables(),
-                step.width as u64,
-                step.block_size as u64,
-                heads as u64,
-                d.nope as u64,
-                dr as u64,
-                d.v as u64,
-                r as u64,
-                f(p.eps),
-                f(p.rope_scale),
-                p.interleaved as u64,
-                f(p.scale * std::f32::consts::LOG2_E),
-            ],
-        };
-        if let (
-            Some(l),
-            Op::Cluster {
-                kernel, smem, args, ..
-            },
-        ) = (layer, &mut op)
-        {
-            *kernel = l.kernel;
-            *smem = l.smem;
-            args.extend_from_slice(&l.args);
-        }
-        inner.push(op);
+            smem,
+            args,
+        });
         return Ok(());
     }
     let qf = inner.scratch(n * heads * width, 4)?;

@@ -715,23 +715,7 @@ impl Module {
             let kernels = [ds.moe_route_decc[0], ds.moe_route_decc[1], ds.moe_route1c];
             for (k, own) in kernels.iter().zip(ds.route_own_smem.iter_mut()) {
                 let f = funcs[k.0 as usize].cu_function();
-                // SAFETY: `f` is a kernel of the loaded module; the value set is within the
-                // device's opt-in limit less the kernel's static shared memory.
-                let fill = unsafe {
-                    use cudarc::driver::result::function as func;
-                    use sys::CUfunction_attribute_enum as A;
-                    func::get_function_attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-                        .and_then(|st| {
-                            let fill = max_smem.saturating_sub(st.max(0) as usize) as i32;
-                            func::set_function_attribute(
-                                f,
-                                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                fill,
-                            )
-                            .map(|()| fill)
-                        })
-                };
-                *own = fill.map_or(0, |b| b as u32);
+                *own = raise_dyn_smem(f, max_smem, usize::MAX).unwrap_or(0);
             }
             if let Some(k) = ds.mla_layer1 {
                 (ds.mla_layer1_smem, ds.mla_layer1_clusters) =
@@ -782,20 +766,16 @@ impl Module {
 /// The dynamic shared memory `mla_layer1` may have (its f32 input: hidden widths up to 8,192).
 const MLA_LAYER1_SMEM: usize = 32 * 1024;
 
-/// Raises `f`'s (`mla_layer1`'s) dynamic shared memory limit to [`MLA_LAYER1_SMEM`] and asks
-/// how many clusters of 2, 4 and 8 blocks of 256 threads with that much the device holds at
-/// once: (limit, clusters), zeros where a call fails or the device has too little (the fused
-/// layer launch is then not used).
-fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
+/// Raises `f`'s dynamic shared memory limit to what the device has beside its static shared
+/// memory, at most `cap` bytes: the limit set, or `None` where a call fails.
+fn raise_dyn_smem(f: sys::CUfunction, max_smem: usize, cap: usize) -> Option<u32> {
     use cudarc::driver::result::function as func;
     use sys::CUfunction_attribute_enum as A;
     // SAFETY: `f` is a kernel of the loaded module; the value set is within the device's
     // opt-in limit less the kernel's static shared memory.
-    let fill = unsafe {
+    unsafe {
         func::get_function_attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).and_then(|st| {
-            let fill = max_smem
-                .saturating_sub(st.max(0) as usize)
-                .min(MLA_LAYER1_SMEM) as i32;
+            let fill = max_smem.saturating_sub(st.max(0) as usize).min(cap) as i32;
             func::set_function_attribute(
                 f,
                 A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -803,8 +783,16 @@ fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
             )
             .map(|()| fill as u32)
         })
-    };
-    let Ok(fill) = fill else {
+    }
+    .ok()
+}
+
+/// Raises `f`'s (`mla_layer1`'s) dynamic shared memory limit to [`MLA_LAYER1_SMEM`] and asks
+/// how many clusters of 2, 4 and 8 blocks of 256 threads with that much the device holds at
+/// once: (limit, clusters), zeros where a call fails or the device has too little (the fused
+/// layer launch is then not used).
+fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
+    let Some(fill) = raise_dyn_smem(f, max_smem, MLA_LAYER1_SMEM) else {
         return (0, [0; 3]);
     };
     let mut clusters = [0u32; 3];
