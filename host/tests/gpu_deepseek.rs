@@ -684,6 +684,129 @@ mod gpu {
         }
     }
 
+    /// Steps past the decode kernels' 8 tokens: the grouped expert products on tensor cores
+    /// (bf16) against the one-warp-a-row kernels and the CPU, with rows that are not a multiple
+    /// of the kernels' 16-row tiles, row lengths that are not a multiple of their 32-wide k
+    /// steps, and experts with more assignments than one group of 32 takes.
+    #[test]
+    fn moe_grouped_experts_on_tensor_cores_match_the_warp_kernels_and_the_cpu() {
+        let Some(mma) = cuda(Some(Act::Bf16)) else {
+            return;
+        };
+        let warp = CudaBackend::new(
+            0,
+            CudaOptions {
+                act: Some(Act::Bf16),
+                moe_mma: false,
+                ..CudaOptions::from_env().expect("CUDA options")
+            },
+        )
+        .expect("a second backend");
+        let cpu = CpuBackend::new(2);
+        let mut rng = Rng::fresh("moe_mma");
+        for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2)] {
+            let cfg = RouterConfig {
+                n_experts: e,
+                top_k,
+                score: ScoreFunc::Sigmoid,
+                n_group: 1,
+                topk_group: 1,
+                norm_topk_prob: true,
+                scaling: 2.0,
+            };
+            let experts: Vec<_> = (0..e)
+                .map(|_| {
+                    (
+                        rng.vec(inter * d, 0.2),
+                        rng.vec(inter * d, 0.2),
+                        rng.vec(d * inter, 0.2),
+                    )
+                })
+                .collect();
+            let shared = (
+                rng.vec(2 * inter * d, 0.2),
+                rng.vec(2 * inter * d, 0.2),
+                rng.vec(d * 2 * inter, 0.2),
+            );
+            let gate = rng.vec(e * d, 0.3);
+            let bias = Some(rng.vec(e, 0.1));
+            let lm = moe_layer_of(
+                &mma,
+                &cfg,
+                &experts,
+                &gate,
+                bias.clone(),
+                Some(&shared),
+                d,
+                inter,
+                2,
+                bf16_weight,
+            );
+            let lw = moe_layer_of(
+                &warp,
+                &cfg,
+                &experts,
+                &gate,
+                bias.clone(),
+                Some(&shared),
+                d,
+                inter,
+                2,
+                bf16_weight,
+            );
+            let lc = moe_layer_of(
+                &cpu,
+                &cfg,
+                &experts,
+                &gate,
+                bias,
+                Some(&shared),
+                d,
+                inter,
+                2,
+                bf16_weight,
+            );
+            for n in [9usize, 24, 70, 150] {
+                // bf16 inputs, so every backend multiplies the same values
+                let x: Vec<f32> = rng
+                    .vec(n * d, 1.0)
+                    .iter()
+                    .map(|v| half::bf16::from_f32(*v).to_f32())
+                    .collect();
+                let tokens = vec![0u32; n];
+                let run = |b: &CudaBackend, l: &MoeLayer<<CudaBackend as Backend>::Weight>| {
+                    let xg = b.upload(&x).unwrap();
+                    let mut o = b.zeros(n * d).unwrap();
+                    b.moe(l, &xg, &tokens, n, d, &mut o).unwrap();
+                    b.to_host(&o).unwrap()
+                };
+                let (got, want) = (run(&mma, &lm), run(&warp, &lw));
+                let mut host = vec![0.0; n * d];
+                cpu.moe(&lc, &x, &tokens, n, d, &mut host).unwrap();
+                let (ew, ec) = (max_err(&got, &want, d), max_err(&got, &host, d));
+                eprintln!(
+                    "d {d}, inter {inter}, {e} experts top {top_k}, {n} tokens: tensor cores vs one warp a row {ew:.2e}, vs the CPU {ec:.2e} (one warp a row vs the CPU {:.2e})",
+                    max_err(&want, &host, d)
+                );
+                assert!(ew < 2e-2 && ec < 3e-2, "{n} tokens: {ew:e} {ec:e}");
+                // the same routing kernel on both devices' backends (the CPU's routing can
+                // differ on a near tie of bf16 inputs; its outputs are checked above)
+                let (a, b) = (
+                    mma.expert_load(&lm).unwrap(),
+                    warp.expert_load(&lw).unwrap(),
+                );
+                assert_eq!(a.last_step, b.last_step, "tokens per expert");
+                assert_eq!(a.last_step.iter().sum::<u64>(), (n * top_k) as u64);
+                // more assignments than 32 a selected expert: some expert takes two groups
+                assert!(
+                    n * top_k <= 32 * e || a.last_step.iter().any(|&t| t > 32),
+                    "an expert with more than one group of assignments: {:?}",
+                    a.last_step
+                );
+            }
+        }
+    }
+
     /// One decode-sized MoE block as the model queues it: RMSNorm of the residual, the layer,
     /// the residual add (on CUDA the decode kernels fold the norm and the add in).
     #[allow(clippy::too_many_arguments)]

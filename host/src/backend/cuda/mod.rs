@@ -144,6 +144,11 @@ pub struct CudaOptions {
     /// residual add after it) where the device holds all its clusters at once. Off by
     /// default: on the H200 it is slower than the three launches (doc/benchmarks.md).
     pub fuse_layer: bool,
+    /// MoE layers of steps past the decode kernels' token bound (batched decode, prefill)
+    /// multiply each selected expert's rows with its tokens on tensor cores (`moe_gu_mma`,
+    /// `moe_dn_mma`; bf16 weights and activations) instead of one warp a row
+    /// (`moe_gateup` / `moe_down`); `DEEPINFER_CUDA_MOE_MMA=0` turns it off.
+    pub moe_mma: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -288,6 +293,7 @@ impl Default for CudaOptions {
             ds2: Ds2::DEFAULT,
             fuse_mla: true,
             fuse_layer: false,
+            moe_mma: true,
         }
     }
 }
@@ -297,7 +303,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
-    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
+    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA`, `DEEPINFER_CUDA_MOE_MMA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
@@ -355,6 +361,7 @@ impl CudaOptions {
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
+        o.moe_mma = !off("DEEPINFER_CUDA_MOE_MMA");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

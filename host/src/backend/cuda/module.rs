@@ -441,6 +441,9 @@ pub struct Module {
     /// By activation type (f32, bf16).
     pub deepseek: [DeepseekKernels; 2],
     pub moe_plan: KernelId,
+    /// The grouped expert products on tensor cores (bf16 weights and activations): gate/up
+    /// with SwiGLU, and down.
+    pub moe_mma: [KernelId; 2],
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
     /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
@@ -662,6 +665,7 @@ impl Module {
         };
         let mut deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
+        let moe_mma = [get("moe_gu_mma".into())?, get("moe_dn_mma".into())?];
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
         for (i, t) in GEMT_TOKENS.iter().enumerate() {
@@ -742,6 +746,7 @@ impl Module {
             weight_to_f32,
             deepseek,
             moe_plan,
+            moe_mma,
             gemt,
             gemt_swiglu,
         })
@@ -857,6 +862,8 @@ mod tests {
             "mla_layer1_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
+            "moe_gu_mma",
+            "moe_dn_mma",
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",

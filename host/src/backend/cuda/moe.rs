@@ -24,6 +24,9 @@ const MAX_GROUPS: usize = 64;
 const MAX_TOP_K: usize = 64;
 /// Output rows per block of the grouped GEMVs (one warp each).
 const ROWS_PER_BLOCK: usize = 8;
+/// Rows per block and threads of the tensor-core grouped products (`MOEM_ROWS`, `MOEM_WARPS`).
+const MMA_ROWS_PER_BLOCK: usize = 64;
+const MMA_THREADS: u32 = 128;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
 /// shared-expert slots; experts per routing block, rows per block of the expert products.
 const DEC_MAX_TOKENS: usize = 8;
@@ -271,11 +274,24 @@ pub(crate) fn forward(
         st.ptrs.ptr + 8 * e as u64,
         st.ptrs.ptr + 16 * e as u64,
     );
+    // tensor cores where a step has more assignments than the decode kernels take
+    let mma = inner.opts.moe_mma && act == Act::Bf16 && st.wi == 1 && n > DEC_MAX_TOKENS;
+    let (gateup, down, rows_per_block, threads) = if mma {
+        let [gu, dn] = inner.module.moe_mma;
+        (gu, dn, MMA_ROWS_PER_BLOCK, MMA_THREADS)
+    } else {
+        (
+            kern.moe_gateup[st.wi][ti],
+            kern.moe_down[st.wi][ti],
+            ROWS_PER_BLOCK,
+            (ROWS_PER_BLOCK * 32) as u32,
+        )
+    };
     launch(
         inner,
-        kern.moe_gateup[st.wi][ti],
-        [slots, inter.div_ceil(ROWS_PER_BLOCK) as u32, 1],
-        (ROWS_PER_BLOCK * 32) as u32,
+        gateup,
+        [slots, inter.div_ceil(rows_per_block) as u32, 1],
+        threads,
         vec![
             h.ptr(),
             x.ptr(),
@@ -293,9 +309,9 @@ pub(crate) fn forward(
     let y = inner.scratch(nk * d, 4)?;
     launch(
         inner,
-        kern.moe_down[st.wi][ti],
-        [slots, d.div_ceil(ROWS_PER_BLOCK) as u32, 1],
-        (ROWS_PER_BLOCK * 32) as u32,
+        down,
+        [slots, d.div_ceil(rows_per_block) as u32, 1],
+        threads,
         vec![
             y.ptr(),
             h.ptr(),
