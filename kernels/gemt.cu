@@ -207,3 +207,153 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
     GEMT_WRAPPER(64, MODE, MS)
 GEMT_TOKENS(GEMT_PLAIN, )
 GEMT_TOKENS(GEMT_SWIGLU, s)
+
+// ---- Row-streaming products on tensor cores (bf16 weights and inputs, f32 sums) ----
+//
+// out[a, r] = W[r, :] . x[a / xdiv, :] for the columns a of a group (the grouped expert
+// products in moe.cu, MLA's V up-projection in mla.cu); with two matrices (gate and up)
+// out[a, r] = silu(W1[r] . x) * (W2[r] . x). A block of ROWMMA_WARPS warps owns ROWMMA_ROWS rows
+// (blockIdx.y, say), a warp 16 of them over their whole length and every column of the group, 8 * NT
+// at a time (up to ROWMMA_NT tiles; a further set of columns streams the rows again). The
+// columns are the N dimension of mma.sync m16n8k16: as in gemt above, lane (g, t) loads 16 bytes
+// of rows g and g + 8 at k0 + 8 t straight into mma operands and the input of the tile's column
+// g at the same k (through L1, since every warp of the block reads it). A lane keeps one stage
+// of loads (128 bytes: 64 k of two matrices or 128 k of one) in flight while it multiplies the
+// stage before it. Each column's sums are taken in the same order whichever columns share its
+// group, so a column's result does not depend on the others.
+#define ROWMMA_WARPS 4
+#define ROWMMA_THREADS (32 * ROWMMA_WARPS)
+#define ROWMMA_ROWS (16 * ROWMMA_WARPS)
+#define ROWMMA_NT 4
+// Blocks an SM the expert products are compiled for (at most 128 registers a thread; the
+// gate/up kernel spills a little in its 4-tile groups). On the H200 a Moonlight batch-64 decode
+// step took 15.05 ms with 4 against 16.28 ms with no bound (164 registers, 3 blocks an SM).
+// `DEEPINFER_CUDA_DEFINE=ROWMMA_MINB=N` compiles another bound.
+#ifndef ROWMMA_MINB
+#define ROWMMA_MINB 4
+#endif
+
+// A lane's loads of one stage: [matrix][row g, row g + 8][32-wide k step].
+template <int NM>
+struct RowmmaStage {
+    static constexpr int S = 4 / NM;  // k steps of 32
+    uint4 w[NM][2][S];
+};
+
+// Column p's index a: rows[p], or p * stride + add without a table.
+struct RowmmaMap {
+    const int* rows;
+    int stride, add;
+    __device__ __forceinline__ int at(int p) const { return rows != nullptr ? rows[p] : p * stride + add; }
+};
+
+template <int NM>
+__device__ __forceinline__ void rowmma_load(RowmmaStage<NM>& st, const u8* const (&wr)[NM][2], const bool (&ok)[2],
+                                            int k0, int lim) {
+#pragma unroll
+    for (int s = 0; s < RowmmaStage<NM>::S; s++) {
+        const int kk = k0 + s * 32;  // this lane's 8 values start at kk + 8 t: in the row while kk < lim
+        const bool in = kk < lim;
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                st.w[m][h][s] = in && ok[h] ? ld_stream16(wr[m][h] + (long)kk * 2) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Steps wholly past the row (the same for the whole warp, as mma.sync needs) are skipped; a
+// lane's values past it are zero.
+template <int NM, int NT>
+__device__ __forceinline__ void rowmma_mul(float (&acc)[NM][NT][4], const RowmmaStage<NM>& st,
+                                           const bf16_t* const (&xr)[NT], int k0, int cols, int lim) {
+#pragma unroll
+    for (int s = 0; s < RowmmaStage<NM>::S; s++) {
+        const int kk = k0 + s * 32;
+        if (kk >= cols) break;
+        const bool in = kk < lim;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 xv = in ? __ldg(reinterpret_cast<const uint4*>(xr[j] + kk)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                gemt_mma(acc[m][j], st.w[m][0][s].x, st.w[m][1][s].x, st.w[m][0][s].y, st.w[m][1][s].y, xv.x, xv.y);
+                gemt_mma(acc[m][j], st.w[m][0][s].z, st.w[m][1][s].z, st.w[m][0][s].w, st.w[m][1][s].w, xv.z, xv.w);
+            }
+        }
+    }
+}
+
+// Columns p0 .. p0 + n (n <= 8 * NT) of a warp's 16 rows from r0.
+template <int NM, int NT, typename OT>
+__device__ __forceinline__ void rowmma_group(OT* out, const bf16_t* x, const u8* const (&wr)[NM][2],
+                                             const bool (&ok)[2], RowmmaMap map, int p0, int n, int xdiv, int cols,
+                                             int out_rows, int r0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const bf16_t* xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int i = j * 8 + g;
+        xr[j] = x + (long)(map.at(p0 + (i < n ? i : 0)) / xdiv) * cols + t * 8;
+    }
+    float acc[NM][NT][4];
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+    constexpr int KS = 32 * RowmmaStage<NM>::S;
+    const int lim = cols - t * 8;
+    // two stages taken in turn, so one is in flight while the other is multiplied
+    RowmmaStage<NM> s0, s1;
+    rowmma_load<NM>(s0, wr, ok, 0, lim);
+    for (int k0 = 0; k0 < cols; k0 += 2 * KS) {
+        rowmma_load<NM>(s1, wr, ok, k0 + KS, lim);
+        rowmma_mul<NM, NT>(acc, s0, xr, k0, cols, lim);
+        rowmma_load<NM>(s0, wr, ok, k0 + 2 * KS, lim);
+        rowmma_mul<NM, NT>(acc, s1, xr, k0 + KS, cols, lim);
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int i = j * 8 + 2 * t + (q & 1), r = r0 + g + (q >> 1) * 8;
+            if (i < n && r < out_rows) {
+                const long o = (long)map.at(p0 + i) * out_rows + r;
+                if (NM == 2) {
+                    const float gs = acc[0][j][q], us = acc[1][j][q];
+                    act_store(out, o, gs / (1.0f + expf(-gs)) * us);
+                } else {
+                    act_store(out, o, acc[0][j][q]);
+                }
+            }
+        }
+}
+
+// Columns a0 .. a1 of this warp's 16 rows from r0 of the matrices at w1 (and w2), rows of
+// cols values.
+template <int NM, typename OT>
+__device__ __forceinline__ void rowmma_rows(OT* out, const bf16_t* x, const u8* w1, const u8* w2, RowmmaMap map,
+                                            int a0, int a1, int xdiv, int cols, int out_rows, int r0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (r0 >= out_rows) return;
+    const bool ok[2] = {r0 + g < out_rows, r0 + g + 8 < out_rows};
+    const long row_bytes = (long)cols * 2;
+    const u8* wr[NM][2];
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            wr[m][h] = (m == 0 ? w1 : w2) + t * 16 + (ok[h] ? (long)(r0 + g + h * 8) : 0) * row_bytes;
+    for (int p0 = a0; p0 < a1; p0 += 8 * ROWMMA_NT) {
+        const int n = min(8 * ROWMMA_NT, a1 - p0);
+        if (n <= 8) {
+            rowmma_group<NM, 1, OT>(out, x, wr, ok, map, p0, n, xdiv, cols, out_rows, r0);
+        } else if (n <= 16) {
+            rowmma_group<NM, 2, OT>(out, x, wr, ok, map, p0, n, xdiv, cols, out_rows, r0);
+        } else if (n <= 24) {
+            rowmma_group<NM, 3, OT>(out, x, wr, ok, map, p0, n, xdiv, cols, out_rows, r0);
+        } else {
+            rowmma_group<NM, 4, OT>(out, x, wr, ok, map, p0, n, xdiv, cols, out_rows, r0);
+        }
+    }
+}

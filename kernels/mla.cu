@@ -652,6 +652,57 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
     }
 }
 
+// ---- V up-projection of larger steps on tensor cores (bf16 activations and weights) ----
+//
+//   mla_merge  block (head, token): the splits of o_lat merged as mla_v_up merges them (same
+//              sums in the same order), rounded to bf16: ol[t, h, :];
+//   mla_v_mma  block (head, ROWMMA_ROWS V rows, MLA_VT tokens): out[t, h v + j] =
+//              W[h (nope + v) + nope + j] . ol[t, h] for the block's tokens, the tokens the
+//              columns of the row-streaming products (gemt.cu): each head's V rows are read once
+//              a block of tokens instead of once a token.
+#define MLA_VT 16
+extern "C" __global__ void __launch_bounds__(128) mla_merge(bf16_t* ol, const float* part_o, const float* part_ml,
+                                                            int heads, int r, int splits) {
+    __shared__ float ms[64], ls[64], fs[64];
+    __shared__ float inv_l;
+    PDL_ENTRY();
+    const int h = blockIdx.x, t = blockIdx.y;
+    const long row = (long)t * heads + h;
+    if ((int)threadIdx.x < splits) {
+        ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
+        ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < splits) {
+        float mx = NEG_INF;
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ms[s]);
+        const float m = ms[threadIdx.x];
+        fs[threadIdx.x] = (mx == NEG_INF || m == NEG_INF) ? 0.0f : exp2f(m - mx);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float lsum = 0.0f;
+        for (int s = 0; s < splits; s++) lsum += ls[s] * fs[s];
+        inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        float o = 0.0f;
+#pragma unroll 16
+        for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
+        ol[row * r + c] = f32_to_bf16(o * inv_l);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS) mla_v_mma(bf16_t* out, const bf16_t* ol, const bf16_t* w,
+                                                                      int n, int heads, int nope, int v, int r) {
+    PDL_ENTRY();
+    const int h = blockIdx.x, t0 = blockIdx.z * MLA_VT;
+    const u8* wh = reinterpret_cast<const u8*>(w + ((long)h * (nope + v) + nope) * r);
+    rowmma_rows<1, bf16_t>(out, ol, wh, wh, RowmmaMap{nullptr, heads, h}, t0, min(n, t0 + MLA_VT), 1, r, v,
+                           blockIdx.y * ROWMMA_ROWS + (threadIdx.x >> 5) * 16);
+}
+
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----
 //
 // Block (cluster rank b, head h, token t): the C blocks of a cluster (grid (C, H, n), cluster

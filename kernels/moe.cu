@@ -209,38 +209,77 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
     }
 }
 
-extern "C" __global__ void moe_plan(int* offsets, int* rows, int* active, int* n_active, unsigned long long* totals,
-                                    unsigned* last, const int* ids, int nk, int E) {
+// One block of MOE_PLAN_THREADS; warp w owns experts w, w + 32, ...: it counts an expert's
+// assignments 32 at a time by ballot over the ids (staged in shared memory a chunk at a time),
+// warp 0 turns the counts into offsets and the list of active experts, then a second pass
+// writes each expert's assignments in increasing order (a ballot's lower lanes first).
+#define MOE_PLAN_THREADS 1024
+#define MOE_PLAN_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(MOE_PLAN_THREADS)
+    moe_plan(int* offsets, int* rows, int* active, int* n_active, unsigned long long* totals, unsigned* last,
+             const int* ids, int nk, int E) {
     PDL_ENTRY();
     __shared__ int cnt[MOE_MAX_EXPERTS];
-    __shared__ int off[MOE_MAX_EXPERTS + 1];
-    const int e = threadIdx.x;
-    int c = 0;
-    if (e < E)
-        for (int a = 0; a < nk; a++) c += ids[a] == e;
-    if (e < E) cnt[e] = c;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int o = 0, na = 0;
-        for (int i = 0; i < E; i++) {
-            off[i] = o;
-            offsets[i] = o;
-            o += cnt[i];
-            if (cnt[i] > 0) active[na++] = i;
+    __shared__ int off[MOE_MAX_EXPERTS];
+    __shared__ int ids_s[MOE_PLAN_CHUNK];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const u32 below = (1u << lane) - 1u;
+    for (int e = tid; e < E; e += blockDim.x) cnt[e] = 0;
+    // pass 0 counts, pass 1 writes the rows
+    for (int pass = 0; pass < 2; pass++) {
+        for (int c0 = 0; c0 < nk; c0 += MOE_PLAN_CHUNK) {
+            const int len = min(MOE_PLAN_CHUNK, nk - c0);
+            __syncthreads();
+            for (int i = tid; i < len; i += blockDim.x) ids_s[i] = ids[c0 + i];
+            __syncthreads();
+            for (int e = warp; e < E; e += nw) {
+                int pos = pass == 0 ? 0 : off[e];
+                for (int i0 = 0; i0 < len; i0 += 32) {
+                    const bool hit = i0 + lane < len && ids_s[i0 + lane] == e;
+                    const u32 m = __ballot_sync(0xffffffffu, hit);
+                    if (pass == 1 && hit) rows[pos + __popc(m & below)] = c0 + i0 + lane;
+                    pos += __popc(m);
+                }
+                if (lane == 0) {
+                    if (pass == 0) cnt[e] += pos;
+                    else off[e] = pos;
+                }
+            }
         }
-        off[E] = o;
-        offsets[E] = o;
-        *n_active = na;
+        __syncthreads();
+        if (pass == 0 && warp == 0) {
+            // offsets by a warp-wide scan of per-lane runs of experts; active experts likewise
+            const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+            int sum = 0, act = 0;
+            for (int e = e0; e < e1; e++) {
+                sum += cnt[e];
+                act += cnt[e] > 0;
+            }
+            int xs = sum, xa = act;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int ys = __shfl_up_sync(0xffffffffu, xs, o), ya = __shfl_up_sync(0xffffffffu, xa, o);
+                if (lane >= o) {
+                    xs += ys;
+                    xa += ya;
+                }
+            }
+            int o = xs - sum, a = xa - act;
+            for (int e = e0; e < e1; e++) {
+                off[e] = o;
+                offsets[e] = o;
+                if (cnt[e] > 0) active[a++] = e;
+                o += cnt[e];
+            }
+            if (lane == 31) {
+                offsets[E] = xs;
+                *n_active = xa;
+            }
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (e < E) {
-        if (c > 0) {
-            int p = off[e];
-            for (int a = 0; a < nk; a++)
-                if (ids[a] == e) rows[p++] = a;
-        }
-        last[e] = (unsigned)c;
-        totals[e] += (unsigned long long)c;
+    for (int e = tid; e < E; e += blockDim.x) {
+        last[e] = (unsigned)cnt[e];
+        totals[e] += (unsigned long long)cnt[e];
     }
 }
 
@@ -318,10 +357,11 @@ __device__ void moe_gemv_impl(void* out, const T* x, const u64* w1s, const u64* 
     }
 }
 
+// Block (token, chunk of blockDim columns).
 template <typename T>
 __device__ void moe_combine_impl(T* out, const float* y, const float* weights, const T* shared, int k, int d) {
     const int t = blockIdx.x;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    for (int c = blockIdx.y * blockDim.x + threadIdx.x; c < d; c += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < k; j++) acc = fmaf(weights[(long)t * k + j], y[((long)t * k + j) * d + c], acc);
         if (shared != nullptr) acc += act_load(shared, (long)t * d + c);
@@ -1240,157 +1280,36 @@ MOE_DEC_ALL(bf16_t, bf16)
 
 // ---- Grouped expert products on tensor cores (bf16 weights and activations) ----
 //
-//   moe_gu_mma   block (active expert, MOEM_ROWS rows): moe_gateup's h[a, r] for every
+//   moe_gu_mma   block (active expert, ROWMMA_ROWS rows): moe_gateup's h[a, r] for every
 //                assignment a of the expert;
-//   moe_dn_mma   block (active expert, MOEM_ROWS rows): moe_down's y[a, r] (f32).
-// The expert's assignments are the N dimension of mma.sync m16n8k16 (f32 sums), its weight rows
-// the M dimension: a warp owns 16 rows over their whole length and all of the expert's
-// assignments, in groups of up to 8 * MOEM_NT (a further group streams the rows again). As in
-// the skinny GEMM (gemt.cu), lane (g, t) loads 16 bytes of rows g and g + 8 at k0 + 8 t straight
-// into mma operands and the activations of the tile's token g at the same k (through L1: every
-// warp of the block reads them), since a dot product does not care in which order k is visited.
-// A lane keeps one stage of loads (128 bytes: 64 k of gate and up, or 128 k of one matrix) in
-// flight while it multiplies the stage before. Each weight is read once a group, so with the
-// few tokens an expert has in a decode batch the kernels are bound by streaming the weights.
+//   moe_dn_mma   block (active expert, ROWMMA_ROWS rows): moe_down's y[a, r] (f32).
+// The expert's assignments are the N dimension of the row-streaming products (gemt.cu,
+// `rowmma_rows`): each weight is read once a group of 32 assignments, so with the few tokens
+// an expert has in a decode batch the kernels are bound by streaming the weights.
 
-#define MOEM_WARPS 4
-#define MOEM_ROWS (16 * MOEM_WARPS)
-#define MOEM_NT 4
-
-// A lane's loads of one stage: [matrix][row g, row g + 8][32-wide k step].
-template <int NM>
-struct MoemStage {
-    static constexpr int S = 4 / NM;  // k steps of 32
-    uint4 w[NM][2][S];
-};
-
-template <int NM>
-__device__ __forceinline__ void moem_load(MoemStage<NM>& st, const u8* const (&rows)[NM][2], const bool (&ok)[2],
-                                          int k0, int cols) {
-#pragma unroll
-    for (int s = 0; s < MoemStage<NM>::S; s++) {
-        const int kk = k0 + s * 32;  // this lane's 8 values start here
-        const bool in = kk < cols;
-#pragma unroll
-        for (int m = 0; m < NM; m++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                st.w[m][h][s] = in && ok[h] ? ld_stream16(rows[m][h] + (long)kk * 2) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// Steps wholly past the row (the same for the whole warp, as mma.sync needs) are skipped; a
-// lane's values past it are zero (`lim`: its first k offset must stay below it).
-template <int NM, int NT>
-__device__ __forceinline__ void moem_mul(float (&acc)[NM][NT][4], const MoemStage<NM>& st, const bf16_t* const (&xr)[NT],
-                                         int k0, int cols, int lim) {
-#pragma unroll
-    for (int s = 0; s < MoemStage<NM>::S; s++) {
-        const int kk = k0 + s * 32;
-        if (kk >= cols) break;
-        const bool in = kk < lim;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 xv = in ? __ldg(reinterpret_cast<const uint4*>(xr[j] + kk)) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int m = 0; m < NM; m++) {
-                gemt_mma(acc[m][j], st.w[m][0][s].x, st.w[m][1][s].x, st.w[m][0][s].y, st.w[m][1][s].y, xv.x, xv.y);
-                gemt_mma(acc[m][j], st.w[m][0][s].z, st.w[m][1][s].z, st.w[m][0][s].w, st.w[m][1][s].w, xv.z, xv.w);
-            }
-        }
-    }
-}
-
-// One group of assignments offsets p0.. p0 + n (n <= 8 * NT) of a warp's 16 rows.
-// GATED: x rows are tokens (a / k), out[a, r] = silu(gate . x) * (up . x) in T;
-// else x rows are assignments, out[a, r] = w . x in f32.
-template <int NM, int NT>
-__device__ __forceinline__ void moem_group(void* out, const bf16_t* x, const u8* const (&wr)[NM][2], const bool (&ok)[2],
-                                           const int* rows, int p0, int n, int k, int cols, int out_rows, int r0) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bf16_t* xr[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int i = j * 8 + g;
-        const int a = rows[p0 + (i < n ? i : 0)];
-        xr[j] = x + (long)(NM == 2 ? a / k : a) * cols + t * 8;
-    }
-    float acc[NM][NT][4];
-#pragma unroll
-    for (int m = 0; m < NM; m++)
-#pragma unroll
-        for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
-    constexpr int KS = 32 * MoemStage<NM>::S;
-    const int lim = cols - t * 8;  // this lane's k offsets stay below it
-    MoemStage<NM> s0, s1;
-    moem_load<NM>(s0, wr, ok, 0, lim);
-    for (int k0 = 0; k0 < cols; k0 += 2 * KS) {
-        moem_load<NM>(s1, wr, ok, k0 + KS, lim);
-        moem_mul<NM, NT>(acc, s0, xr, k0, cols, lim);
-        moem_load<NM>(s0, wr, ok, k0 + 2 * KS, lim);
-        moem_mul<NM, NT>(acc, s1, xr, k0 + KS, cols, lim);
-    }
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int i = j * 8 + 2 * t + (q & 1), r = r0 + g + (q >> 1) * 8;
-            if (i < n && r < out_rows) {
-                const long a = rows[p0 + i];
-                if (NM == 2) {
-                    const float gs = acc[0][j][q], us = acc[1][j][q];
-                    act_store(reinterpret_cast<bf16_t*>(out), a * out_rows + r, gs / (1.0f + expf(-gs)) * us);
-                } else {
-                    reinterpret_cast<float*>(out)[a * out_rows + r] = acc[0][j][q];
-                }
-            }
-        }
-}
-
-template <int NM>
-__device__ __forceinline__ void moem_impl(void* out, const bf16_t* x, const u64* w1s, const u64* w2s, const int* active,
+template <int NM, typename OT>
+__device__ __forceinline__ void moem_impl(OT* out, const bf16_t* x, const u64* w1s, const u64* w2s, const int* active,
                                           const int* n_active, const int* offsets, const int* rows, int k, int cols,
                                           int out_rows) {
     PDL_ENTRY();
     if ((int)blockIdx.x >= *n_active) return;
     const int e = active[blockIdx.x];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.y * MOEM_ROWS + warp * 16;
-    if (r0 >= out_rows) return;
-    const bool ok[2] = {r0 + g < out_rows, r0 + g + 8 < out_rows};
-    const long row_bytes = (long)cols * 2;
-    const u8* wr[NM][2];
-#pragma unroll
-    for (int m = 0; m < NM; m++) {
-        const u8* base = reinterpret_cast<const u8*>(m == 0 ? w1s[e] : w2s[e]) + t * 16;
-#pragma unroll
-        for (int h = 0; h < 2; h++) wr[m][h] = base + (ok[h] ? (long)(r0 + g + h * 8) : 0) * row_bytes;
-    }
-    const int a0 = offsets[e], a1 = offsets[e + 1];
-    for (int p0 = a0; p0 < a1; p0 += 8 * MOEM_NT) {
-        const int n = min(8 * MOEM_NT, a1 - p0);
-        if (n <= 8) {
-            moem_group<NM, 1>(out, x, wr, ok, rows, p0, n, k, cols, out_rows, r0);
-        } else if (n <= 16) {
-            moem_group<NM, 2>(out, x, wr, ok, rows, p0, n, k, cols, out_rows, r0);
-        } else if (n <= 24) {
-            moem_group<NM, 3>(out, x, wr, ok, rows, p0, n, k, cols, out_rows, r0);
-        } else {
-            moem_group<NM, 4>(out, x, wr, ok, rows, p0, n, k, cols, out_rows, r0);
-        }
-    }
+    const RowmmaMap map{rows, 0, 0};
+    rowmma_rows<NM, OT>(out, x, reinterpret_cast<const u8*>(w1s[e]), reinterpret_cast<const u8*>(w2s[e]), map,
+                        offsets[e], offsets[e + 1], NM == 2 ? k : 1, cols, out_rows,
+                        blockIdx.y * ROWMMA_ROWS + (threadIdx.x >> 5) * 16);
 }
 
-extern "C" __global__ void __launch_bounds__(MOEM_WARPS * 32) moe_gu_mma(bf16_t* h, const bf16_t* x, const u64* gates,
-                                                                        const u64* ups, const int* active,
-                                                                        const int* n_active, const int* offsets,
-                                                                        const int* rows, int k, int d, int inter) {
-    moem_impl<2>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);
+extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB) moe_gu_mma(bf16_t* h, const bf16_t* x, const u64* gates,
+                                                                       const u64* ups, const int* active,
+                                                                       const int* n_active, const int* offsets,
+                                                                       const int* rows, int k, int d, int inter) {
+    moem_impl<2, bf16_t>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);
 }
 
-extern "C" __global__ void __launch_bounds__(MOEM_WARPS * 32) moe_dn_mma(float* y, const bf16_t* h, const u64* downs,
-                                                                        const int* active, const int* n_active,
-                                                                        const int* offsets, const int* rows, int k,
-                                                                        int inter, int d) {
-    moem_impl<1>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);
+extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB) moe_dn_mma(float* y, const bf16_t* h, const u64* downs,
+                                                                       const int* active, const int* n_active,
+                                                                       const int* offsets, const int* rows, int k,
+                                                                       int inter, int d) {
+    moem_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);
 }

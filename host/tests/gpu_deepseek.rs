@@ -333,9 +333,29 @@ mod gpu {
                 small_heads(3, 32),
                 moon,
             ];
+            let mma_off = CudaBackend::new(
+                0,
+                CudaOptions {
+                    act: Some(act),
+                    mla_mma: false,
+                    ..CudaOptions::from_env().expect("CUDA options")
+                },
+            )
+            .expect("a fourth backend");
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
-                let c = mla_case_of(&mut rng, dims);
+                let mut c = mla_case_of(&mut rng, dims);
+                if act == Act::Bf16 {
+                    // bf16 kv_b rows (the prefill's 368 tokens take the V up-projection on
+                    // tensor cores; `mma_off` the block a token and head)
+                    let v: Vec<f32> = c
+                        .kv_b
+                        .bytes()
+                        .chunks(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect();
+                    c.kv_b = bf16_weight(c.kv_b.rows, c.kv_b.cols, &v);
+                }
                 let cpu = CpuBackend::new(2);
                 let a = run_mla(&cpu, &c, MlaPath::Absorbed);
                 let e = run_mla(&cpu, &c, MlaPath::Expanded);
@@ -344,6 +364,7 @@ mod gpu {
                     (&be, "ds2"),
                     (&old, "earlier kernels"),
                     (&unfused, "not fused"),
+                    (&mma_off, "V up-projection without tensor cores"),
                 ] {
                     let g = run_mla(b, &c, MlaPath::Absorbed);
                     for (i, what) in ["prefill", "decode"].iter().enumerate() {

@@ -27,6 +27,11 @@ pub const MLA_MAX_NOPE: usize = 256;
 const MLA_HEADS: usize = 16;
 /// Output rows per V up-projection block (`MLA_VROWS`).
 const V_ROWS: usize = 32;
+/// Steps of more tokens than this (bf16) take the V up-projection on tensor cores
+/// (`CudaOptions::mla_mma`); V rows and tokens a block of it (`ROWMMA_ROWS`, `MLA_VT`).
+const MMA_MIN_TOKENS: usize = 8;
+const MMA_ROWS: usize = 64;
+const MMA_TOKENS: usize = 16;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
@@ -546,6 +551,51 @@ pub(crate) fn attention(
             splits as u64,
         ],
     );
+    if inner.opts.mla_mma
+        && n > MMA_MIN_TOKENS
+        && inner.act() == Act::Bf16
+        && wi == 1
+        && r.is_multiple_of(8)
+    {
+        // the merged latent outputs in bf16, then every token's V rows on tensor cores
+        let [merge, v_up] = inner.module.mla_mma;
+        let ol = inner.scratch(n * heads * r, 2)?;
+        launch(
+            inner,
+            merge,
+            [heads as u32, n as u32, 1],
+            128,
+            vec![
+                ol.ptr(),
+                part_o.ptr(),
+                part_ml.ptr(),
+                heads as u64,
+                r as u64,
+                splits as u64,
+            ],
+        );
+        launch(
+            inner,
+            v_up,
+            [
+                heads as u32,
+                d.v.div_ceil(MMA_ROWS) as u32,
+                n.div_ceil(MMA_TOKENS) as u32,
+            ],
+            128,
+            vec![
+                out.ptr(),
+                ol.ptr(),
+                w.kv_b.ptr(),
+                n as u64,
+                heads as u64,
+                d.nope as u64,
+                d.v as u64,
+                r as u64,
+            ],
+        );
+        return Ok(());
+    }
     launch(
         inner,
         if inner.opts.ds2.v_up {

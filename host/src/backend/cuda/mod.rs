@@ -149,6 +149,11 @@ pub struct CudaOptions {
     /// `moe_dn_mma`; bf16 weights and activations) instead of one warp a row
     /// (`moe_gateup` / `moe_down`); `DEEPINFER_CUDA_MOE_MMA=0` turns it off.
     pub moe_mma: bool,
+    /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
+    /// into bf16 latents and multiplies every token's with the V rows on tensor cores
+    /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
+    /// `DEEPINFER_CUDA_MLA_MMA=0` turns it off.
+    pub mla_mma: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -294,6 +299,7 @@ impl Default for CudaOptions {
             fuse_mla: true,
             fuse_layer: false,
             moe_mma: true,
+            mla_mma: true,
         }
     }
 }
@@ -303,7 +309,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE`, `DEEPINFER_CUDA_PDL`, `DEEPINFER_CUDA_GEMVB`, `DEEPINFER_CUDA_GEMVP`,
     /// `DEEPINFER_CUDA_BUCKETS`, `DEEPINFER_CUDA_FUSE_NORM`, `DEEPINFER_CUDA_FUSE_ADD` and
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
-    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA`, `DEEPINFER_CUDA_MOE_MMA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
+    /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA`, `DEEPINFER_CUDA_MOE_MMA`, `DEEPINFER_CUDA_MLA_MMA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
@@ -362,6 +368,7 @@ impl CudaOptions {
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
         o.moe_mma = !off("DEEPINFER_CUDA_MOE_MMA");
+        o.mla_mma = !off("DEEPINFER_CUDA_MLA_MMA");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

@@ -444,6 +444,8 @@ pub struct Module {
     /// The grouped expert products on tensor cores (bf16 weights and activations): gate/up
     /// with SwiGLU, and down.
     pub moe_mma: [KernelId; 2],
+    /// MLA's split merge into bf16 latents and the V up-projection on tensor cores (bf16).
+    pub mla_mma: [KernelId; 2],
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
     /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
@@ -666,6 +668,7 @@ impl Module {
         let mut deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
         let moe_mma = [get("moe_gu_mma".into())?, get("moe_dn_mma".into())?];
+        let mla_mma = [get("mla_merge".into())?, get("mla_v_mma".into())?];
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
         for (i, t) in GEMT_TOKENS.iter().enumerate() {
@@ -747,6 +750,7 @@ impl Module {
             deepseek,
             moe_plan,
             moe_mma,
+            mla_mma,
             gemt,
             gemt_swiglu,
         })
@@ -864,6 +868,8 @@ mod tests {
             "moe_plan",
             "moe_gu_mma",
             "moe_dn_mma",
+            "mla_merge",
+            "mla_v_mma",
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",

@@ -24,7 +24,9 @@ const MAX_GROUPS: usize = 64;
 const MAX_TOP_K: usize = 64;
 /// Output rows per block of the grouped GEMVs (one warp each).
 const ROWS_PER_BLOCK: usize = 8;
-/// Rows per block and threads of the tensor-core grouped products (`MOEM_ROWS`, `MOEM_WARPS`).
+/// Threads of the plan kernel (`MOE_PLAN_THREADS`).
+const PLAN_THREADS: u32 = 1024;
+/// Rows per block and threads of the tensor-core grouped products (`ROWMMA_ROWS`, `ROWMMA_THREADS` in `kernels/gemt.cu`).
 const MMA_ROWS_PER_BLOCK: usize = 64;
 const MMA_THREADS: u32 = 128;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
@@ -252,7 +254,7 @@ pub(crate) fn forward(
         inner,
         inner.module.moe_plan,
         [1, 1, 1],
-        (e.next_multiple_of(32)).clamp(32, 1024) as u32,
+        PLAN_THREADS,
         vec![
             offsets.ptr(),
             rows.ptr(),
@@ -336,7 +338,7 @@ pub(crate) fn forward(
     launch(
         inner,
         kern.moe_combine,
-        [n as u32, 1, 1],
+        [n as u32, d.div_ceil(256) as u32, 1],
         256,
         vec![
             out.ptr(),
