@@ -538,6 +538,31 @@ __device__ void mla_decode2_impl(float* part_o, float* part_ml, const float* qf,
     }
 }
 
+// The merge weights of row `row`'s key splits (their (max, sum) pairs in log2 units):
+// fs[s] = 2^(m_s - max m) (0 for an empty split) and *inv_l = 1 / sum_s l_s fs[s], in shared
+// memory (ms, ls: scratch of `splits` values); the whole block calls it.
+__device__ __forceinline__ void mla_split_weights(const float* part_ml, long row, int splits, float* ms, float* ls,
+                                                  float* fs, float* inv_l) {
+    if ((int)threadIdx.x < splits) {
+        ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
+        ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < splits) {
+        float mx = NEG_INF;
+        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ms[s]);
+        const float m = ms[threadIdx.x];
+        fs[threadIdx.x] = (mx == NEG_INF || m == NEG_INF) ? 0.0f : exp2f(m - mx);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float lsum = 0.0f;
+        for (int s = 0; s < splits; s++) lsum += ls[s] * fs[s];
+        *inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    }
+    __syncthreads();
+}
+
 // Block (head, token, 32-row chunk): merges the splits of o_lat into shared memory, then each
 // warp takes 4 output rows j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
 template <typename T, typename WT, bool V2>
@@ -579,24 +604,7 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
                 po[i][s] = (c < r && s < splits) ? part_o[(row * splits + s) * r + c] : 0.0f;
         }
     }
-    if ((int)threadIdx.x < splits) {
-        ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
-        ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < splits) {
-        float mx = NEG_INF;
-        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ms[s]);
-        const float m = ms[threadIdx.x];
-        fs[threadIdx.x] = (mx == NEG_INF || m == NEG_INF) ? 0.0f : exp2f(m - mx);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float lsum = 0.0f;
-        for (int s = 0; s < splits; s++) lsum += ls[s] * fs[s];
-        inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    }
-    __syncthreads();
+    mla_split_weights(part_ml, row, splits, ms, ls, fs, &inv_l);
     if (early) {
         // the same sums in the same order as below
 #pragma unroll
@@ -668,24 +676,7 @@ extern "C" __global__ void __launch_bounds__(128) mla_merge(bf16_t* ol, const fl
     PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y;
     const long row = (long)t * heads + h;
-    if ((int)threadIdx.x < splits) {
-        ms[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2];
-        ls[threadIdx.x] = part_ml[(row * splits + threadIdx.x) * 2 + 1];
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < splits) {
-        float mx = NEG_INF;
-        for (int s = 0; s < splits; s++) mx = fmaxf(mx, ms[s]);
-        const float m = ms[threadIdx.x];
-        fs[threadIdx.x] = (mx == NEG_INF || m == NEG_INF) ? 0.0f : exp2f(m - mx);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float lsum = 0.0f;
-        for (int s = 0; s < splits; s++) lsum += ls[s] * fs[s];
-        inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-    }
-    __syncthreads();
+    mla_split_weights(part_ml, row, splits, ms, ls, fs, &inv_l);
     for (int c = threadIdx.x; c < r; c += blockDim.x) {
         float o = 0.0f;
 #pragma unroll 16

@@ -633,6 +633,71 @@ mod gpu {
         .unwrap()
     }
 
+    /// Random matrices of a MoE layer: `e` experts of `inter` rows over `d` and shared experts
+    /// `shared_mult` times as wide (values of scale 0.2), the router gate and its bias.
+    struct MoeHost {
+        experts: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+        shared: (Vec<f32>, Vec<f32>, Vec<f32>),
+        gate: Vec<f32>,
+        bias: Option<Vec<f32>>,
+    }
+
+    fn random_moe(rng: &mut Rng, e: usize, d: usize, inter: usize, shared_mult: usize) -> MoeHost {
+        let mut mlp = |w: usize| {
+            (
+                rng.vec(w * d, 0.2),
+                rng.vec(w * d, 0.2),
+                rng.vec(d * w, 0.2),
+            )
+        };
+        let experts = (0..e).map(|_| mlp(inter)).collect();
+        let shared = mlp(shared_mult * inter);
+        MoeHost {
+            experts,
+            shared,
+            gate: rng.vec(e * d, 0.3),
+            bias: Some(rng.vec(e, 0.1)),
+        }
+    }
+
+    impl MoeHost {
+        /// The layer on `be`, its expert matrices in bf16.
+        fn bf16_layer<B: Backend>(
+            &self,
+            be: &B,
+            cfg: &RouterConfig,
+            d: usize,
+            inter: usize,
+            shared_mult: usize,
+        ) -> MoeLayer<B::Weight> {
+            moe_layer_of(
+                be,
+                cfg,
+                &self.experts,
+                &self.gate,
+                self.bias.clone(),
+                Some(&self.shared),
+                d,
+                inter,
+                shared_mult,
+                bf16_weight,
+            )
+        }
+    }
+
+    /// Sigmoid routing without a group limit, normalized and scaled.
+    fn sigmoid_router(n_experts: usize, top_k: usize, scaling: f32) -> RouterConfig {
+        RouterConfig {
+            n_experts,
+            top_k,
+            score: ScoreFunc::Sigmoid,
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: true,
+            scaling,
+        }
+    }
+
     #[test]
     fn moe_routing_and_grouped_experts_match_the_cpu_on_random_inputs() {
         let Some(be) = cuda(Some(Act::F32)) else {
@@ -726,67 +791,11 @@ mod gpu {
         let cpu = CpuBackend::new(2);
         let mut rng = Rng::fresh("moe_mma");
         for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2)] {
-            let cfg = RouterConfig {
-                n_experts: e,
-                top_k,
-                score: ScoreFunc::Sigmoid,
-                n_group: 1,
-                topk_group: 1,
-                norm_topk_prob: true,
-                scaling: 2.0,
-            };
-            let experts: Vec<_> = (0..e)
-                .map(|_| {
-                    (
-                        rng.vec(inter * d, 0.2),
-                        rng.vec(inter * d, 0.2),
-                        rng.vec(d * inter, 0.2),
-                    )
-                })
-                .collect();
-            let shared = (
-                rng.vec(2 * inter * d, 0.2),
-                rng.vec(2 * inter * d, 0.2),
-                rng.vec(d * 2 * inter, 0.2),
-            );
-            let gate = rng.vec(e * d, 0.3);
-            let bias = Some(rng.vec(e, 0.1));
-            let lm = moe_layer_of(
-                &mma,
-                &cfg,
-                &experts,
-                &gate,
-                bias.clone(),
-                Some(&shared),
-                d,
-                inter,
-                2,
-                bf16_weight,
-            );
-            let lw = moe_layer_of(
-                &warp,
-                &cfg,
-                &experts,
-                &gate,
-                bias.clone(),
-                Some(&shared),
-                d,
-                inter,
-                2,
-                bf16_weight,
-            );
-            let lc = moe_layer_of(
-                &cpu,
-                &cfg,
-                &experts,
-                &gate,
-                bias,
-                Some(&shared),
-                d,
-                inter,
-                2,
-                bf16_weight,
-            );
+            let cfg = sigmoid_router(e, top_k, 2.0);
+            let host = random_moe(&mut rng, e, d, inter, 2);
+            let lm = host.bf16_layer(&mma, &cfg, d, inter, 2);
+            let lw = host.bf16_layer(&warp, &cfg, d, inter, 2);
+            let lc = host.bf16_layer(&cpu, &cfg, d, inter, 2);
             for n in [9usize, 24, 70, 150] {
                 // bf16 inputs, so every backend multiplies the same values
                 let x: Vec<f32> = rng
@@ -861,60 +870,15 @@ mod gpu {
         let mut rng = Rng::fresh("moe_decode");
         // odd widths: 33 chunks of 8 per row, 5 per expert row, 3 shared slots
         let (d, inter, e) = (264, 40, 20);
-        let cfg = RouterConfig {
-            n_experts: e,
-            top_k: 6,
-            score: ScoreFunc::Sigmoid,
-            n_group: 1,
-            topk_group: 1,
-            norm_topk_prob: true,
-            scaling: 2.4,
-        };
-        let experts: Vec<_> = (0..e)
-            .map(|_| {
-                (
-                    rng.vec(inter * d, 0.2),
-                    rng.vec(inter * d, 0.2),
-                    rng.vec(d * inter, 0.2),
-                )
-            })
-            .collect();
-        let shared = (
-            rng.vec(3 * inter * d, 0.2),
-            rng.vec(3 * inter * d, 0.2),
-            rng.vec(d * 3 * inter, 0.2),
-        );
-        let gate = rng.vec(e * d, 0.3);
-        let bias = Some(rng.vec(e, 0.1));
+        let cfg = sigmoid_router(e, 6, 2.4);
+        let host = random_moe(&mut rng, e, d, inter, 3);
         let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
         let cpu = CpuBackend::new(2);
-        let lc = moe_layer_of(
-            &cpu,
-            &cfg,
-            &experts,
-            &gate,
-            bias.clone(),
-            Some(&shared),
-            d,
-            inter,
-            3,
-            bf16_weight,
-        );
+        let lc = host.bf16_layer(&cpu, &cfg, d, inter, 3);
         let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
         let mut gpu = Vec::new();
         for b in [&be, &bf, &bf_plain, &bf_old] {
-            let l = moe_layer_of(
-                b,
-                &cfg,
-                &experts,
-                &gate,
-                bias.clone(),
-                Some(&shared),
-                d,
-                inter,
-                3,
-                bf16_weight,
-            );
+            let l = host.bf16_layer(b, &cfg, d, inter, 3);
             let g = b.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
             gpu.push((l, g));
         }
