@@ -213,7 +213,7 @@ GEMT_TOKENS(GEMT_SWIGLU, s)
 // out[a, r] = W[r, :] . x[a / xdiv, :] for the columns a of a group (the grouped expert
 // products in moe.cu, MLA's V up-projection in mla.cu); with two matrices (gate and up)
 // out[a, r] = silu(W1[r] . x) * (W2[r] . x). A block of ROWMMA_WARPS warps owns ROWMMA_ROWS rows
-// (blockIdx.y, say), a warp 16 of them over their whole length and every column of the group, 8 * NT
+// (`rowmma_row0`), a warp 16 of them over their whole length and every column of the group, 8 * NT
 // at a time (up to ROWMMA_NT tiles; a further set of columns streams the rows again). The
 // columns are the N dimension of mma.sync m16n8k16: as in gemt above, lane (g, t) loads 16 bytes
 // of rows g and g + 8 at k0 + 8 t straight into mma operands and the input of the tile's column
@@ -328,6 +328,9 @@ __device__ __forceinline__ void rowmma_group(OT* out, const bf16_t* x, const u8*
             }
         }
 }
+
+// The first of this warp's 16 rows when blockIdx.y numbers the blocks' ROWMMA_ROWS-row chunks.
+__device__ __forceinline__ int rowmma_row0() { return blockIdx.y * ROWMMA_ROWS + (threadIdx.x >> 5) * 16; }
 
 // Columns a0 .. a1 of this warp's 16 rows from r0 of the matrices at w1 (and w2), rows of
 // cols values.

@@ -563,6 +563,15 @@ __device__ __forceinline__ void mla_split_weights(const float* part_ml, long row
     __syncthreads();
 }
 
+// Latent column c of row `row`'s splits merged with their weights fs, before the 1 / l scale.
+__device__ __forceinline__ float mla_merge_col(const float* part_o, long row, int splits, int r, int c,
+                                               const float* fs) {
+    float o = 0.0f;
+#pragma unroll 16
+    for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
+    return o;
+}
+
 // Block (head, token, 32-row chunk): merges the splits of o_lat into shared memory, then each
 // warp takes 4 output rows j: out[t, h v + j] = W[h (nope + v) + nope + j, :] . o_lat.
 template <typename T, typename WT, bool V2>
@@ -619,12 +628,7 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
             }
         }
     } else {
-        for (int c = threadIdx.x; c < r; c += blockDim.x) {
-            float o = 0.0f;
-#pragma unroll 16
-            for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
-            ol[c] = o * inv_l;
-        }
+        for (int c = threadIdx.x; c < r; c += blockDim.x) ol[c] = mla_merge_col(part_o, row, splits, r, c, fs) * inv_l;
     }
     __syncthreads();
 #pragma unroll
@@ -669,7 +673,8 @@ __device__ void mla_v_up_impl(T* out, const float* part_o, const float* part_ml,
 //              columns of the row-streaming products (gemt.cu): each head's V rows are read once
 //              a block of tokens instead of once a token.
 #define MLA_VT 16
-extern "C" __global__ void __launch_bounds__(128) mla_merge(bf16_t* ol, const float* part_o, const float* part_ml,
+#define MLA_MERGE_THREADS 128
+extern "C" __global__ void __launch_bounds__(MLA_MERGE_THREADS) mla_merge(bf16_t* ol, const float* part_o, const float* part_ml,
                                                             int heads, int r, int splits) {
     __shared__ float ms[64], ls[64], fs[64];
     __shared__ float inv_l;
@@ -677,12 +682,8 @@ extern "C" __global__ void __launch_bounds__(128) mla_merge(bf16_t* ol, const fl
     const int h = blockIdx.x, t = blockIdx.y;
     const long row = (long)t * heads + h;
     mla_split_weights(part_ml, row, splits, ms, ls, fs, &inv_l);
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        float o = 0.0f;
-#pragma unroll 16
-        for (int s = 0; s < splits; s++) o = fmaf(part_o[(row * splits + s) * r + c], fs[s], o);
-        ol[row * r + c] = f32_to_bf16(o * inv_l);
-    }
+    for (int c = threadIdx.x; c < r; c += blockDim.x)
+        ol[row * r + c] = f32_to_bf16(mla_merge_col(part_o, row, splits, r, c, fs) * inv_l);
 }
 
 extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS) mla_v_mma(bf16_t* out, const bf16_t* ol, const bf16_t* w,
@@ -691,7 +692,7 @@ extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS) mla_v_mma(bf16_t* o
     const int h = blockIdx.x, t0 = blockIdx.z * MLA_VT;
     const u8* wh = reinterpret_cast<const u8*>(w + ((long)h * (nope + v) + nope) * r);
     rowmma_rows<1, bf16_t>(out, ol, wh, wh, RowmmaMap{nullptr, heads, h}, t0, min(n, t0 + MLA_VT), 1, r, v,
-                           blockIdx.y * ROWMMA_ROWS + (threadIdx.x >> 5) * 16);
+                           rowmma_row0());
 }
 
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----

@@ -1296,20 +1296,17 @@ __device__ __forceinline__ void moem_impl(OT* out, const bf16_t* x, const u64* w
     const int e = active[blockIdx.x];
     const RowmmaMap map{rows, 0, 0};
     rowmma_rows<NM, OT>(out, x, reinterpret_cast<const u8*>(w1s[e]), reinterpret_cast<const u8*>(w2s[e]), map,
-                        offsets[e], offsets[e + 1], NM == 2 ? k : 1, cols, out_rows,
-                        blockIdx.y * ROWMMA_ROWS + (threadIdx.x >> 5) * 16);
+                        offsets[e], offsets[e + 1], NM == 2 ? k : 1, cols, out_rows, rowmma_row0());
 }
 
-extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB) moe_gu_mma(bf16_t* h, const bf16_t* x, const u64* gates,
-                                                                       const u64* ups, const int* active,
-                                                                       const int* n_active, const int* offsets,
-                                                                       const int* rows, int k, int d, int inter) {
+extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB)
+    moe_gu_mma(bf16_t* h, const bf16_t* x, const u64* gates, const u64* ups, const int* active, const int* n_active,
+               const int* offsets, const int* rows, int k, int d, int inter) {
     moem_impl<2, bf16_t>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);
 }
 
-extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB) moe_dn_mma(float* y, const bf16_t* h, const u64* downs,
-                                                                       const int* active, const int* n_active,
-                                                                       const int* offsets, const int* rows, int k,
-                                                                       int inter, int d) {
+extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB)
+    moe_dn_mma(float* y, const bf16_t* h, const u64* downs, const int* active, const int* n_active,
+               const int* offsets, const int* rows, int k, int inter, int d) {
     moem_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);
 }

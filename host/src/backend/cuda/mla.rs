@@ -11,6 +11,7 @@
 use std::sync::Arc;
 
 use super::device::DevMem;
+use super::module::{ROWMMA_ROWS, ROWMMA_THREADS};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::step::CudaStep;
@@ -28,10 +29,11 @@ const MLA_HEADS: usize = 16;
 /// Output rows per V up-projection block (`MLA_VROWS`).
 const V_ROWS: usize = 32;
 /// Steps of more tokens than this (bf16) take the V up-projection on tensor cores
-/// (`CudaOptions::mla_mma`); V rows and tokens a block of it (`ROWMMA_ROWS`, `MLA_VT`).
+/// (`CudaOptions::mla_mma`); tokens a block of it (`MLA_VT`) and threads of its split merge
+/// (`MLA_MERGE_THREADS`).
 const MMA_MIN_TOKENS: usize = 8;
-const MMA_ROWS: usize = 64;
 const MMA_TOKENS: usize = 16;
+const MERGE_THREADS: u32 = 128;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
@@ -564,7 +566,7 @@ pub(crate) fn attention(
             inner,
             merge,
             [heads as u32, n as u32, 1],
-            128,
+            MERGE_THREADS,
             vec![
                 ol.ptr(),
                 part_o.ptr(),
@@ -579,10 +581,10 @@ pub(crate) fn attention(
             v_up,
             [
                 heads as u32,
-                d.v.div_ceil(MMA_ROWS) as u32,
+                d.v.div_ceil(ROWMMA_ROWS) as u32,
                 n.div_ceil(MMA_TOKENS) as u32,
             ],
-            128,
+            ROWMMA_THREADS,
             vec![
                 out.ptr(),
                 ol.ptr(),

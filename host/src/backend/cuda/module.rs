@@ -417,6 +417,11 @@ pub const GEMVP_ROWS: usize = 8;
 pub const GEMVP_WIDE_ROWS: usize = 32;
 pub const GEMVP_WIDE_SMEM: usize = GEMVP_WIDE_ROWS * GEMVP_MAXK * 2 + GEMVP_MAXK * 4;
 pub const GEMVP_MAXK: usize = 2048;
+/// Rows a block and threads of the row-streaming tensor-core products (`ROWMMA_ROWS`,
+/// `ROWMMA_THREADS` in `kernels/gemt.cu`): the grouped expert products and MLA's V
+/// up-projection of larger steps.
+pub const ROWMMA_ROWS: usize = 64;
+pub const ROWMMA_THREADS: u32 = 128;
 
 /// The loaded module and its kernel ids.
 pub struct Module {

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
-use super::module::{KernelId, Module};
+use super::module::{KernelId, Module, ROWMMA_ROWS, ROWMMA_THREADS};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::weights::WType;
@@ -26,9 +26,6 @@ const MAX_TOP_K: usize = 64;
 const ROWS_PER_BLOCK: usize = 8;
 /// Threads of the plan kernel (`MOE_PLAN_THREADS`).
 const PLAN_THREADS: u32 = 1024;
-/// Rows per block and threads of the tensor-core grouped products (`ROWMMA_ROWS`, `ROWMMA_THREADS` in `kernels/gemt.cu`).
-const MMA_ROWS_PER_BLOCK: usize = 64;
-const MMA_THREADS: u32 = 128;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
 /// shared-expert slots; experts per routing block, rows per block of the expert products.
 const DEC_MAX_TOKENS: usize = 8;
@@ -280,7 +277,7 @@ pub(crate) fn forward(
     let mma = inner.opts.moe_mma && act == Act::Bf16 && st.wi == 1 && n > DEC_MAX_TOKENS;
     let (gateup, down, rows_per_block, threads) = if mma {
         let [gu, dn] = inner.module.moe_mma;
-        (gu, dn, MMA_ROWS_PER_BLOCK, MMA_THREADS)
+        (gu, dn, ROWMMA_ROWS, ROWMMA_THREADS)
     } else {
         (
             kern.moe_gateup[st.wi][ti],
