@@ -196,6 +196,7 @@ mod gpu {
 
     // ---- operations on fresh random inputs ------------------------------------------------
 
+    #[derive(Clone)]
     struct MlaCase {
         p: MlaParams,
         kv_a_norm: Weight,
@@ -344,9 +345,10 @@ mod gpu {
             .expect("a fourth backend");
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
-                let mut c = mla_case_of(&mut rng, dims);
+                let c = mla_case_of(&mut rng, dims);
+                let mut cases = vec![(c.clone(), "f32 kv_b")];
                 if act == Act::Bf16 {
-                    // bf16 kv_b rows (the prefill's 368 tokens take the V up-projection on
+                    // bf16 kv_b rows too (the prefill's 368 tokens take the V up-projection on
                     // tensor cores; `mma_off` the block a token and head)
                     let v: Vec<f32> = c
                         .kv_b
@@ -354,29 +356,33 @@ mod gpu {
                         .chunks(4)
                         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
                         .collect();
-                    c.kv_b = bf16_weight(c.kv_b.rows, c.kv_b.cols, &v);
+                    let kv_b = bf16_weight(c.kv_b.rows, c.kv_b.cols, &v);
+                    cases.push((MlaCase { kv_b, ..c }, "bf16 kv_b"));
                 }
-                let cpu = CpuBackend::new(2);
-                let a = run_mla(&cpu, &c, MlaPath::Absorbed);
-                let e = run_mla(&cpu, &c, MlaPath::Expanded);
-                let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
-                for (b, which) in [
-                    (&be, "ds2"),
-                    (&old, "earlier kernels"),
-                    (&unfused, "not fused"),
-                    (&mma_off, "V up-projection without tensor cores"),
-                ] {
-                    let g = run_mla(b, &c, MlaPath::Absorbed);
-                    for (i, what) in ["prefill", "decode"].iter().enumerate() {
-                        let width = heads * c.p.dims.v;
-                        let (eg, ee) = (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
-                        eprintln!(
-                            "{act:?} {which}, {heads} heads, latent {latent}, {what}: CUDA vs CPU absorbed {eg:.2e}, vs CPU expanded {ee:.2e}"
-                        );
-                        assert!(
-                            eg < tol && ee < tol,
-                            "{act:?} {which} {what}: {eg:e} {ee:e}"
-                        );
+                for (c, kvb) in &cases {
+                    let cpu = CpuBackend::new(2);
+                    let a = run_mla(&cpu, c, MlaPath::Absorbed);
+                    let e = run_mla(&cpu, c, MlaPath::Expanded);
+                    let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
+                    for (b, which) in [
+                        (&be, "ds2"),
+                        (&old, "earlier kernels"),
+                        (&unfused, "not fused"),
+                        (&mma_off, "V up-projection without tensor cores"),
+                    ] {
+                        let g = run_mla(b, c, MlaPath::Absorbed);
+                        for (i, what) in ["prefill", "decode"].iter().enumerate() {
+                            let width = heads * c.p.dims.v;
+                            let (eg, ee) =
+                                (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
+                            eprintln!(
+                                "{act:?} {which}, {kvb}, {heads} heads, latent {latent}, {what}: CUDA vs CPU absorbed {eg:.2e}, vs CPU expanded {ee:.2e}"
+                            );
+                            assert!(
+                                eg < tol && ee < tol,
+                                "{act:?} {which} {kvb} {what}: {eg:e} {ee:e}"
+                            );
+                        }
                     }
                 }
             }
