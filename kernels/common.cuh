@@ -224,6 +224,11 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 // Thread-block clusters (sm_90+): a barrier of every thread of the cluster (release / acquire,
 // so shared-memory writes before it are seen by the cluster's reads after it), and loads from

@@ -71,6 +71,80 @@ __device__ void mla_cache_row(T* cache, const T* kva, const float* gain, const f
 __device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
 __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
 
+// The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf;
+// with `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
+// other heads' blocks return). The rotation's sines and cosines (positions and frequencies are
+// the step's inputs, uploaded before its kernels) are computed before the programmatic wait,
+// once per pair. A whole block of at least 8 warps.
+template <typename T>
+__device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, int r, T* cache, const T* kva,
+                           const float* gain, const float* inv_freq, const long* slots, const int* positions,
+                           float eps, float rs, int interleaved, int h, int t0, int nt, bool rows) {
+    const int W = r + dr, qk = nope + dr;
+    __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
+    const int half = dr / 2;
+    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+        const int i = e / half, p = e % half;
+        const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
+        cs[i][p] = a.x;
+        sn[i][p] = a.y;
+    }
+    if (rows && h != 0) return;
+    // each token's slot before the wait too
+    long sl = 0;
+    if (rows && (int)threadIdx.x < 8 && (int)threadIdx.x < nt) sl = slots[t0 + threadIdx.x];
+    __syncthreads();
+    pdl_wait();
+    if (!rows) {
+        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+            const int i = e / half, p = e % half;
+            const int t = t0 + i;
+            const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+            const T* qh = q + ((long)t * heads + h) * qk + nope;
+            const float x = act_load(qh, a), y = act_load(qh, b);
+            float* o = qf + ((long)t * heads + h) * W + r;
+            const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
+            o[a] = v.x;
+            o[b] = v.y;
+        }
+        return;
+    }
+    // the cache rows: RMS-normalized latent and rotated rope key, one warp-group of the
+    // block a token (all tokens' sums of squares at once)
+    __shared__ long slot_s[8];
+    __shared__ float inv_s[8];
+    if ((int)threadIdx.x < nt) slot_s[threadIdx.x] = sl;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // warp i sums token i's squares (8 warps, up to 8 tokens)
+    if (warp < nt) {
+        const T* row = kva + (long)(t0 + warp) * W;
+        float ss = 0.0f;
+        for (int cc = lane; cc < r; cc += 32) {
+            const float x = act_load(row, cc);
+            ss = fmaf(x, x, ss);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) inv_s[warp] = 1.0f / sqrtf(ss / (float)r + eps);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < nt * r; e += blockDim.x) {
+        const int i = e / r, cc = e % r;
+        const T* row = kva + (long)(t0 + i) * W;
+        act_store(cache + slot_s[i] * (long)W, cc, gain[cc] * (act_load(row, cc) * inv_s[i]));
+    }
+    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+        const int i = e / half, p = e % half;
+        const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+        const T* row = kva + (long)(t0 + i) * W + r;
+        const float x = act_load(row, a), y = act_load(row, b);
+        T* dst = cache + slot_s[i] * (long)W + r;
+        const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
+        act_store(dst, a, v.x);
+        act_store(dst, b, v.y);
+    }
+    return;
+}
+
 // qf[t, h, c] = sum_j q[t, h, j] W[h (nope + v) + j, c] for c < r, then the rope query for
 // c in [r, r + dr). Block (head, 8-token chunk, 64-column chunk; the last chunk copies the rope
 // queries): the tokens' nope queries are staged in shared memory, four groups of 64 threads
@@ -90,70 +164,8 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
     const int c = blockIdx.z * 64 + cl;
     const int zr = (r + 63) / 64;  // the rope block; V2: zr + 1 writes the cache rows
     if (V2 && (int)blockIdx.z >= zr) {
-        // V2: the rotation's sines and cosines (positions and frequencies are the step's
-        // inputs, uploaded before its kernels) computed before the wait, once per pair
-        __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
-        const int half = dr / 2;
-        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
-            const int i = e / half, p = e % half;
-            const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
-            cs[i][p] = a.x;
-            sn[i][p] = a.y;
-        }
-        const bool rows = (int)blockIdx.z > zr;
-        if (rows && h != 0) return;
-        // each token's slot before the wait too
-        long sl = 0;
-        if (rows && (int)threadIdx.x < 8 && (int)threadIdx.x < nt) sl = slots[t0 + threadIdx.x];
-        __syncthreads();
-        pdl_wait();
-        if (!rows) {
-            for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
-                const int i = e / half, p = e % half;
-                const int t = t0 + i;
-                const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
-                const T* qh = q + ((long)t * heads + h) * qk + nope;
-                const float x = act_load(qh, a), y = act_load(qh, b);
-                float* o = qf + ((long)t * heads + h) * W + r;
-                const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
-                o[a] = v.x;
-                o[b] = v.y;
-            }
-            return;
-        }
-        // the cache rows: RMS-normalized latent and rotated rope key, one warp-group of the
-        // block a token (all tokens' sums of squares at once)
-        __shared__ long slot_s[8];
-        __shared__ float inv_s[8];
-        if ((int)threadIdx.x < nt) slot_s[threadIdx.x] = sl;
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        // warp i sums token i's squares (8 warps, up to 8 tokens)
-        if (warp < nt) {
-            const T* row = kva + (long)(t0 + warp) * W;
-            float ss = 0.0f;
-            for (int cc = lane; cc < r; cc += 32) {
-                const float x = act_load(row, cc);
-                ss = fmaf(x, x, ss);
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) inv_s[warp] = 1.0f / sqrtf(ss / (float)r + eps);
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < nt * r; e += blockDim.x) {
-            const int i = e / r, cc = e % r;
-            const T* row = kva + (long)(t0 + i) * W;
-            act_store(cache + slot_s[i] * (long)W, cc, gain[cc] * (act_load(row, cc) * inv_s[i]));
-        }
-        for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
-            const int i = e / half, p = e % half;
-            const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
-            const T* row = kva + (long)(t0 + i) * W + r;
-            const float x = act_load(row, a), y = act_load(row, b);
-            T* dst = cache + slot_s[i] * (long)W + r;
-            const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
-            act_store(dst, a, v.x);
-            act_store(dst, b, v.y);
-        }
+        mla_q_rope<T>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs, interleaved,
+                      h, t0, nt, (int)blockIdx.z > zr);
         return;
     }
     // This thread's weights (rows jg, jg + 4, ... of column c) are no earlier kernel's
@@ -693,6 +705,274 @@ extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS) mla_v_mma(bf16_t* o
     const u8* wh = reinterpret_cast<const u8*>(w + ((long)h * (nope + v) + nope) * r);
     rowmma_rows<1, bf16_t>(out, ol, wh, wh, RowmmaMap{nullptr, heads, h}, t0, min(n, t0 + MLA_VT), 1, r, v,
                            rowmma_row0());
+}
+
+// mla_q_absorb_mma: mla_q_absorb2 for steps past 8 tokens with bf16 activations and kv_b, the
+// absorption on tensor cores. Block (head h, 64 latent columns, 64 tokens; grid (heads, r / 64
+// + 2, tokens / 64)): the columns' K rows of the head ([nope, 64] of W_UK) are staged in shared
+// memory before the programmatic wait (rows padded to 144 bytes, so ldmatrix reads them without
+// bank conflicts); warp w takes columns 16 (w % 4) .. + 16 and every other 8-token tile from
+// 8 (w / 4). ldmatrix.trans turns the staged rows into the A operand of mma.sync m16n8k16
+// (latent columns as M, nope values as K), the tokens' nope queries are B, read straight from
+// q. The further block rows of the grid are mla_q_absorb2's: the rope queries, and (head 0)
+// the cache rows, a block each 8 tokens (grid rows r / 64 + 2 * 64 / 8).
+#define MLA_QT 64                // tokens a block
+#define MLA_QC 64                // latent columns a block
+#define MLA_QMAXNOPE 128         // most nope values a head
+extern "C" __global__ void __launch_bounds__(256) mla_q_absorb_mma(
+    float* qf, const bf16_t* q, const bf16_t* w, int n, int heads, int nope, int dr, int v, int r, bf16_t* cache,
+    const bf16_t* kva, const float* gain, const float* inv_freq, const long* slots, const int* positions, float eps,
+    float rs, int interleaved) {
+    pdl_launch_dependents();
+    const int h = blockIdx.x, zr = r / MLA_QC, tb = blockIdx.z * MLA_QT;
+    const int nt = min(MLA_QT, n - tb);
+    if ((int)blockIdx.y >= zr) {
+        // a block each 8 tokens, so every block's rotation table is computed before the wait
+        const int y = (int)blockIdx.y - zr, t0 = (y % (MLA_QT / 8)) * 8;
+        const bool rows = y >= MLA_QT / 8;
+        if ((rows && h != 0) || t0 >= nt) return;
+        mla_q_rope<bf16_t>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                           interleaved, h, tb + t0, min(8, nt - t0), rows);
+        return;
+    }
+    __shared__ __align__(16) bf16_t ws[MLA_QMAXNOPE][MLA_QC + 8];
+    const int c0 = blockIdx.y * MLA_QC;
+    const bf16_t* wh = w + (long)h * (nope + v) * r + c0;
+    for (int e = threadIdx.x; e < nope * (MLA_QC / 8); e += blockDim.x) {
+        const int j = e / (MLA_QC / 8), cc = (e % (MLA_QC / 8)) * 8;
+        *reinterpret_cast<uint4*>(&ws[j][cc]) = ld_stream16(wh + (long)j * r + cc);
+    }
+    __syncthreads();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int qk = nope + dr, W = r + dr, cw = (warp & 3) * 16;
+    // lane l addresses row l % 8 of 8x8 matrix l / 8 (matrix j: K rows + 8 (j / 2), M columns + 8 (j % 2))
+    const int lr = (lane & 7) + (lane >> 4) * 8, lc = cw + ((lane >> 3) & 1) * 8;
+    constexpr int NTILE = MLA_QT / 16;  // tiles a warp
+    float acc[NTILE][4];
+#pragma unroll
+    for (int i = 0; i < NTILE; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    // tile i's B column g: token tg + 16 i, its nope query from q0 (2 t values in)
+    const int tg = tb + (warp >> 2) * 8 + g;
+    const bf16_t* q0 = q + (long)h * qk + 2 * t;
+    const long qstep = 16L * heads * qk;
+    for (int k0 = 0; k0 < nope; k0 += 16) {
+        u32 a[4];
+        ldsm_x4_t(a[0], a[1], a[2], a[3], &ws[k0 + lr][lc]);
+#pragma unroll
+        for (int i = 0; i < NTILE; i++) {
+            if ((warp >> 2) * 8 + 16 * i >= nt) break;  // warp-uniform
+            const bool ok = tg + 16 * i < n;
+            const bf16_t* qi = q0 + (long)tg * heads * qk + i * qstep + k0;
+            const u32 b0 = ok ? __ldg(reinterpret_cast<const u32*>(qi)) : 0u;
+            const u32 b1 = ok ? __ldg(reinterpret_cast<const u32*>(qi + 8)) : 0u;
+            mma_bf16_16816(acc[i], a, b0, b1);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NTILE; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int tok = tb + (warp >> 2) * 8 + 16 * i + 2 * t + (e & 1), c = c0 + cw + g + (e >> 1) * 8;
+            if (tok < n) qf[((long)tok * heads + h) * W + c] = acc[i][e];
+        }
+}
+
+// mla_decode_mma: mla_decode2 for steps past 8 tokens with a bf16 cache, on tensor cores (the
+// heads of a group as the M dimension of mma.sync m16n8k16, as FlashMLA does). Block (token t,
+// head group, split s; MLA_DTHREADS threads) with the same outputs as mla_decode2 (the split's
+// unnormalized latent output and its (max, sum) in log2 units). Keys stream through shared
+// memory in tiles of MLA_DT by cp.async, two buffers so the next tile's rows are in flight while
+// one is used (the first tile's rows written by earlier steps before the programmatic wait);
+// the scaled query is staged once as bf16. Per tile: warp w scores keys 8 w .. 8 w + 8 with
+// every head (S = Q K^T, ldmatrix of the staged rows), the block takes the tile's online-softmax
+// step in shared memory (P in bf16), then warp w adds P V for latent columns [w r / 4,
+// (w + 1) r / 4) (V = the rows' first r values, through ldmatrix.trans). Needs W % 32 == 0,
+// r % 64 == 0, W <= MLA_MAXW.
+#define MLA_DT 32                                           // keys a tile
+#define MLA_DWP (MLA_MAXW + 8)                              // a staged row, values (ldmatrix without bank conflicts)
+#define MLA_DTHREADS 128
+#define MLA_DSMEM ((2 * MLA_DT + MLA_HEADS) * MLA_DWP * 2)  // dynamic shared memory: two key tiles, the query
+#define MLA_DNT (MLA_MAXW / 32)                             // most 8-column output tiles a warp (r / 32)
+
+// Tile rows of keys j0 .. j0 + nk (their cache offsets in `slot`) into `sk` by cp.async; rows
+// past nk are zero-filled. which: 1 the rows before `safe` only, 2 all others, 0 all.
+__device__ __forceinline__ void mla_dm_tile(bf16_t (*sk)[MLA_DWP], const long* slot, const bf16_t* cache, int W,
+                                            int nk, int j0, int safe, int which) {
+    const int per = W / 8;
+    for (int e = threadIdx.x; e < MLA_DT * per; e += blockDim.x) {
+        const int kk = e / per, c = (e % per) * 8;
+        const bool ok = kk < nk, early = ok && j0 + kk < safe;
+        if (which == 1 ? !early : which == 2 ? early : false) continue;
+        cp_async16(&sk[kk][c], ok ? cache + slot[kk] + c : cache, ok);
+    }
+}
+
+// Cache offsets of keys j0 .. min(j0 + MLA_DT, k1) into slot (threads below MLA_DT).
+__device__ __forceinline__ void mla_dm_slots(long* slot, const int* table, int block_size, int W, int j0, int k1) {
+    if ((int)threadIdx.x < MLA_DT) {
+        const int j = j0 + threadIdx.x;
+        slot[threadIdx.x] = j < k1 ? ((long)table[j / block_size] * block_size + j % block_size) * W : 0;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
+    float* part_o, float* part_ml, const float* qf, const bf16_t* cache, const int* tok_seq, const int* positions,
+    const int* tables, int table_width, int block_size, int heads, int r, int dr, float scale_log2, int splits) {
+    pdl_launch_dependents();
+    extern __shared__ __align__(16) u8 mla_dsm[];
+    bf16_t(*sk)[MLA_DT][MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DT][MLA_DWP]>(mla_dsm);
+    bf16_t(*sq)[MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DWP]>(mla_dsm + 2 * MLA_DT * MLA_DWP * 2);
+    __shared__ float ss[MLA_HEADS][MLA_DT];
+    __shared__ __align__(16) bf16_t sp[MLA_HEADS][MLA_DT + 8];
+    __shared__ float scorr[MLA_HEADS], smax[MLA_HEADS], ssum[MLA_HEADS];
+    __shared__ long slot[2][MLA_DT];
+    const int t = blockIdx.x, hb = blockIdx.y * MLA_HEADS, s = blockIdx.z;
+    const int W = r + dr, rw = r / 4;  // latent columns a warp
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int len = positions[t] + 1;
+    const int chunk = (len + splits - 1) / splits;
+    const int k0 = s * chunk, k1 = min(len, k0 + chunk);
+    const int* table = tables + (long)tok_seq[t] * table_width;
+    // rows before `safe` were written by earlier steps (see mla_decode2)
+    const int safe = len - (int)gridDim.x;
+    mla_dm_slots(slot[0], table, block_size, W, k0, k1);
+    __syncthreads();
+    if (k0 < k1) mla_dm_tile(sk[0], slot[0], cache, W, min(MLA_DT, k1 - k0), k0, safe, 1);
+    pdl_wait();
+    if (k0 < k1) mla_dm_tile(sk[0], slot[0], cache, W, min(MLA_DT, k1 - k0), k0, safe, 2);
+    cp_async_commit();
+    // the scaled query as bf16, MLA_DQL loads a thread in flight at a time
+    constexpr int MLA_DQL = 6;
+    for (int e0 = 0; e0 < MLA_HEADS * (W / 4); e0 += MLA_DQL * MLA_DTHREADS) {
+        float4 v[MLA_DQL];
+#pragma unroll
+        for (int i = 0; i < MLA_DQL; i++) {
+            const int e = e0 + i * MLA_DTHREADS + threadIdx.x, hh = e / (W / 4), c = (e % (W / 4)) * 4;
+            v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (hh < MLA_HEADS && hb + hh < heads)
+                v[i] = *reinterpret_cast<const float4*>(qf + ((long)t * heads + hb + hh) * W + c);
+        }
+#pragma unroll
+        for (int i = 0; i < MLA_DQL; i++) {
+            const int e = e0 + i * MLA_DTHREADS + threadIdx.x, hh = e / (W / 4), c = (e % (W / 4)) * 4;
+            if (hh < MLA_HEADS) {
+                sq[hh][c] = f32_to_bf16(v[i].x * scale_log2);
+                sq[hh][c + 1] = f32_to_bf16(v[i].y * scale_log2);
+                sq[hh][c + 2] = f32_to_bf16(v[i].z * scale_log2);
+                sq[hh][c + 3] = f32_to_bf16(v[i].w * scale_log2);
+            }
+        }
+    }
+    if ((int)threadIdx.x < MLA_HEADS) {
+        smax[threadIdx.x] = NEG_INF;
+        ssum[threadIdx.x] = 0.0f;
+    }
+    float acc[MLA_DNT][4];
+#pragma unroll
+    for (int n = 0; n < MLA_DNT; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    int buf = 0;
+    for (int j0 = k0; j0 < k1; j0 += MLA_DT, buf ^= 1) {
+        const int nk = min(MLA_DT, k1 - j0), jn = j0 + MLA_DT;
+        if (jn < k1) {
+            // the other buffer's last readers finished the previous tile before this barrier
+            mla_dm_slots(slot[buf ^ 1], table, block_size, W, jn, k1);
+            __syncthreads();
+            mla_dm_tile(sk[buf ^ 1], slot[buf ^ 1], cache, W, min(MLA_DT, k1 - jn), jn, 0, 0);
+        }
+        cp_async_commit();
+        cp_async_wait_group<1>();  // this tile's rows
+        __syncthreads();
+        // scores of keys 8 warp .. + 8 with all heads (the two halves of each 32-value step
+        // into their own sums: two chains of dependent products instead of one)
+        float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = 0; k < W; k += 32) {
+            u32 b[4], a[4], a2[4];
+            ldsm_x4(b[0], b[1], b[2], b[3], &sk[buf][warp * 8 + (lane & 7)][k + (lane >> 3) * 8]);
+            ldsm_x4(a[0], a[1], a[2], a[3], &sq[lane & 15][k + (lane >> 4) * 8]);
+            ldsm_x4(a2[0], a2[1], a2[2], a2[3], &sq[lane & 15][k + 16 + (lane >> 4) * 8]);
+            mma_bf16_16816(sc, a, b[0], b[1]);
+            mma_bf16_16816(sc2, a2, b[2], b[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) sc[i] += sc2[i];
+        ss[g][warp * 8 + 2 * tq] = sc[0];
+        ss[g][warp * 8 + 2 * tq + 1] = sc[1];
+        ss[g + 8][warp * 8 + 2 * tq] = sc[2];
+        ss[g + 8][warp * 8 + 2 * tq + 1] = sc[3];
+        __syncthreads();
+        {
+            // the online-softmax step: 8 threads a head, 4 keys each
+            const int hh = threadIdx.x >> 3, kq = (threadIdx.x & 7) * 4;
+            float v[4], mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[i] = kq + i < nk ? ss[hh][kq + i] : NEG_INF;
+                mx = fmaxf(mx, v[i]);
+            }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float mo = smax[hh], mn = fmaxf(mo, mx);
+            float ps = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float p = exp2f(v[i] - mn);
+                sp[hh][kq + i] = f32_to_bf16(p);
+                ps += p;
+            }
+#pragma unroll
+            for (int o = 4; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            __syncwarp();
+            if ((threadIdx.x & 7) == 0) {
+                const float c = exp2f(mo - mn);
+                scorr[hh] = c;
+                ssum[hh] = ssum[hh] * c + ps;
+                smax[hh] = mn;
+            }
+        }
+        __syncthreads();
+        const float c0 = scorr[g], c1 = scorr[g + 8];
+#pragma unroll
+        for (int n = 0; n < MLA_DNT; n++) {
+            acc[n][0] *= c0;
+            acc[n][1] *= c0;
+            acc[n][2] *= c1;
+            acc[n][3] *= c1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < MLA_DT; kk += 16) {
+            u32 a[4];
+            ldsm_x4(a[0], a[1], a[2], a[3], &sp[lane & 15][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int n = 0; n < MLA_DNT; n += 2) {
+                if (n * 8 >= rw) break;  // warp-uniform
+                u32 b[4];
+                ldsm_x4_t(b[0], b[1], b[2], b[3],
+                          &sk[buf][kk + (lane & 7) + ((lane >> 3) & 1) * 8][warp * rw + n * 8 + (lane >> 4) * 8]);
+                mma_bf16_16816(acc[n], a, b[0], b[1]);
+                mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
+            }
+        }
+    }
+    cp_async_wait_all();
+#pragma unroll
+    for (int n = 0; n < MLA_DNT; n++) {
+        if (n * 8 >= rw) break;
+        const int c = warp * rw + n * 8 + 2 * tq;
+#pragma unroll
+        for (int hi = 0; hi < 2; hi++) {
+            const int h = hb + g + hi * 8;
+            if (h < heads) {
+                const long row = ((long)t * heads + h) * splits + s;
+                *reinterpret_cast<float2*>(part_o + row * r + c) = make_float2(acc[n][2 * hi], acc[n][2 * hi + 1]);
+            }
+        }
+    }
+    if ((int)threadIdx.x < MLA_HEADS && hb + (int)threadIdx.x < heads) {
+        const long row = ((long)t * heads + hb + threadIdx.x) * splits + s;
+        part_ml[row * 2] = smax[threadIdx.x];
+        part_ml[row * 2 + 1] = ssum[threadIdx.x];
+    }
 }
 
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----

@@ -1310,3 +1310,161 @@ extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB)
                const int* offsets, const int* rows, int k, int inter, int d) {
     moem_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, k, inter, d);
 }
+
+// ---- Grouped expert GEMMs for long steps (prefill): tiled on tensor cores ----
+//
+// moe_gu_gemm / moe_dn_gemm compute what moe_gu_mma / moe_dn_mma compute (same arguments),
+// for steps whose experts have many tokens each. The row-streaming kernels read an expert's
+// rows again for every 32 of its assignments; here a block takes a tile of MOEG_TM weight rows
+// by MOEG_TN of one expert's assignments and walks k in stages of MOEG_TK, staging both the
+// rows and the assignments' inputs (gathered through `rows`) in shared memory by cp.async, two
+// buffers so the next stage is in flight while one is multiplied. 8 warps, warp (wm, wn) takes
+// 32 rows by 32 assignments (mma.sync m16n8k16, both operands through ldmatrix; rows padded to
+// 144 bytes so ldmatrix reads them without bank conflicts). Block x numbers the tiles of all
+// active experts in their list's order (an expert of c assignments has ceil(c / MOEG_TN)), block
+// y the row tiles. Each output is one sum over k in stage order whatever tile it falls in. Row
+// lengths must be multiples of MOEG_TK.
+#define MOEG_TM 128
+#define MOEG_TN 64
+#define MOEG_TK 64
+#define MOEG_PAD (MOEG_TK + 8)
+#define MOEG_THREADS 256
+
+template <int NM>
+struct MoegStage {
+    bf16_t w[NM][MOEG_TM][MOEG_PAD];
+    bf16_t x[MOEG_TN][MOEG_PAD];
+};
+
+template <int NM, typename OT>
+__device__ __forceinline__ void moeg_impl(OT* out, const bf16_t* x, const u64* w1s, const u64* w2s,
+                                          const int* active, const int* n_active, const int* offsets,
+                                          const int* rows, int xdiv, int cols, int out_rows) {
+    extern __shared__ __align__(16) u8 moeg_dsm[];
+    MoegStage<NM>* st = reinterpret_cast<MoegStage<NM>*>(moeg_dsm);  // [2]
+    __shared__ int s_e, s_n, s_t0, s_a[MOEG_TN];
+    PDL_ENTRY();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (warp == 0) {
+        // this block's tile: a warp-wide scan of the active experts' tile counts
+        const int na = *n_active, tile = blockIdx.x;
+        int base = 0, found = 0;
+        for (int i0 = 0; i0 < na && !found; i0 += 32) {
+            const int i = i0 + lane;
+            const int e = i < na ? active[i] : 0;
+            const int a0 = i < na ? offsets[e] : 0, c = i < na ? offsets[e + 1] - a0 : 0;
+            const int nt = (c + MOEG_TN - 1) / MOEG_TN;
+            int incl = nt;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            const int excl = base + incl - nt;
+            const bool mine = nt > 0 && tile >= excl && tile < excl + nt;
+            if (mine) {
+                const int t0 = a0 + (tile - excl) * MOEG_TN;
+                s_e = e;
+                s_t0 = t0;
+                s_n = min(MOEG_TN, a0 + c - t0);
+            }
+            found = __any_sync(0xffffffffu, mine);
+            base += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0 && !found) s_n = 0;
+    }
+    __syncthreads();
+    const int nn = s_n;
+    if (nn == 0) return;
+    if (tid < MOEG_TN) s_a[tid] = tid < nn ? rows[s_t0 + tid] : 0;
+    __syncthreads();
+    const int r0 = blockIdx.y * MOEG_TM;
+    const u8* wbase[NM];
+    wbase[0] = reinterpret_cast<const u8*>(w1s[s_e]);
+    if (NM == 2) wbase[NM - 1] = reinterpret_cast<const u8*>(w2s[s_e]);
+    const long row_bytes = (long)cols * 2;
+    // this thread's copies a stage: weight rows tid / 8 + 32 i (16-byte chunk tid % 8) of each
+    // matrix, input row tid / 4 (chunks 2 (tid % 4), + 1)
+    const int wc = tid & 7, xj = tid >> 2, xc = (tid & 3) * 2;
+    const bool xok = xj < nn;
+    const bf16_t* xrow = x + (long)(s_a[xok ? xj : 0] / xdiv) * cols;
+    auto load = [&](int buf, int k0) {
+#pragma unroll
+        for (int m = 0; m < NM; m++)
+#pragma unroll
+            for (int i = 0; i < MOEG_TM / 32; i++) {
+                const int rr = (tid >> 3) + 32 * i, row = r0 + rr;
+                const bool ok = row < out_rows;
+                cp_async16(&st[buf].w[m][rr][wc * 8], ok ? wbase[m] + row * row_bytes + (long)(k0 + wc * 8) * 2 : wbase[m],
+                           ok);
+            }
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            cp_async16(&st[buf].x[xj][(xc + c) * 8], xok ? xrow + k0 + (xc + c) * 8 : x, xok);
+    };
+    const int wm = warp & 3, wn = warp >> 2, g = lane >> 2, tq = lane & 3;
+    float acc[NM][2][4][4];
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) acc[m][mi][ni][0] = acc[m][mi][ni][1] = acc[m][mi][ni][2] = acc[m][mi][ni][3] = 0.0f;
+    const int nk = cols / MOEG_TK;
+    load(0, 0);
+    cp_async_commit();
+    for (int kt = 0; kt < nk; kt++) {
+        const int buf = kt & 1;
+        if (kt + 1 < nk) load(buf ^ 1, (kt + 1) * MOEG_TK);
+        cp_async_commit();
+        cp_async_wait_group<1>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < MOEG_TK; kk += 16) {
+            u32 b[4][2];
+#pragma unroll
+            for (int p = 0; p < 2; p++)
+                ldsm_x4(b[2 * p][0], b[2 * p][1], b[2 * p + 1][0], b[2 * p + 1][1],
+                        &st[buf].x[32 * wn + 16 * p + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    u32 a[4];
+                    ldsm_x4(a[0], a[1], a[2], a[3], &st[buf].w[m][32 * wm + 16 * mi + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+                    for (int ni = 0; ni < 4; ni++) mma_bf16_16816(acc[m][mi][ni], a, b[ni][0], b[ni][1]);
+                }
+        }
+        __syncthreads();  // the buffer is refilled next stage
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int row = r0 + 32 * wm + 16 * mi + g + (q >> 1) * 8, j = 32 * wn + 8 * ni + 2 * tq + (q & 1);
+                if (j < nn && row < out_rows) {
+                    const long o = (long)s_a[j] * out_rows + row;
+                    if (NM == 2) {
+                        const float gs = acc[0][mi][ni][q], us = acc[NM - 1][mi][ni][q];
+                        act_store(out, o, gs / (1.0f + expf(-gs)) * us);
+                    } else {
+                        act_store(out, o, acc[0][mi][ni][q]);
+                    }
+                }
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(MOEG_THREADS, 2)
+    moe_gu_gemm(bf16_t* h, const bf16_t* x, const u64* gates, const u64* ups, const int* active, const int* n_active,
+                const int* offsets, const int* rows, int k, int d, int inter) {
+    moeg_impl<2, bf16_t>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);
+}
+
+extern "C" __global__ void __launch_bounds__(MOEG_THREADS)
+    moe_dn_gemm(float* y, const bf16_t* h, const u64* downs, const int* active, const int* n_active,
+                const int* offsets, const int* rows, int k, int inter, int d) {
+    moeg_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, 1, inter, d);
+}

@@ -79,6 +79,17 @@ mod gpu {
         Some(CudaBackend::new(0, opts).expect("the CUDA backend starts"))
     }
 
+    /// A further backend (the device is there: an earlier one started) with the environment's
+    /// options, `act`, and what `set` changes.
+    fn cuda_set(act: Act, set: impl FnOnce(&mut CudaOptions)) -> CudaBackend {
+        let mut o = CudaOptions {
+            act: Some(act),
+            ..CudaOptions::from_env().expect("CUDA options")
+        };
+        set(&mut o);
+        CudaBackend::new(0, o).expect("a further CUDA backend")
+    }
+
     /// The prompt in one pass, then 16 decode steps through the cache: every row's logits.
     fn drive<B: Backend>(m: &DeepseekV3<B>, r: &Reference) -> Vec<f32> {
         let mut kv = m.new_kv(4, 16).unwrap();
@@ -332,24 +343,28 @@ mod gpu {
                 small_heads(21, 72),
                 small_heads(5, 64),
                 small_heads(3, 32),
+                // a nope of 32 over a latent of 128, 3 heads: the tensor-core kernels' smaller
+                // shapes and a partial head group
+                MlaDims {
+                    heads: 3,
+                    nope: 32,
+                    rope: 32,
+                    v: 48,
+                    latent: 128,
+                },
                 moon,
             ];
-            let mma_off = CudaBackend::new(
-                0,
-                CudaOptions {
-                    act: Some(act),
-                    mla_mma: false,
-                    ..CudaOptions::from_env().expect("CUDA options")
-                },
-            )
-            .expect("a fourth backend");
+            let mma_off = cuda_set(act, |o| o.mla_mma = false);
+            let absorb_off = cuda_set(act, |o| o.absorb_mma = false);
+            let decode_off = cuda_set(act, |o| o.decode_mma = false);
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
                 let c = mla_case_of(&mut rng, dims);
                 let mut cases = vec![(c.clone(), "f32 kv_b")];
                 if act == Act::Bf16 {
-                    // bf16 kv_b rows too (the prefill's 368 tokens take the V up-projection on
-                    // tensor cores; `mma_off` the block a token and head)
+                    // bf16 kv_b rows too (the prefill's 368 tokens take the V up-projection
+                    // on tensor cores, and where the shapes allow the query absorption and the
+                    // attention; `mma_off` none of them, `absorb_off` and `decode_off` all but one)
                     let v: Vec<f32> = c
                         .kv_b
                         .bytes()
@@ -369,6 +384,8 @@ mod gpu {
                         (&old, "earlier kernels"),
                         (&unfused, "not fused"),
                         (&mma_off, "V up-projection without tensor cores"),
+                        (&absorb_off, "absorption without tensor cores"),
+                        (&decode_off, "attention without tensor cores"),
                     ] {
                         let g = run_mla(b, c, MlaPath::Absorbed);
                         for (i, what) in ["prefill", "decode"].iter().enumerate() {
@@ -785,24 +802,20 @@ mod gpu {
         let Some(mma) = cuda(Some(Act::Bf16)) else {
             return;
         };
-        let warp = CudaBackend::new(
-            0,
-            CudaOptions {
-                act: Some(Act::Bf16),
-                moe_mma: false,
-                ..CudaOptions::from_env().expect("CUDA options")
-            },
-        )
-        .expect("a second backend");
+        let warp = cuda_set(Act::Bf16, |o| o.moe_mma = false);
+        let rowmma = cuda_set(Act::Bf16, |o| o.moe_gemm = false);
         let cpu = CpuBackend::new(2);
         let mut rng = Rng::fresh("moe_mma");
-        for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2)] {
+        // the last two shapes' longer steps (at least 32 assignments an expert, rows of whole
+        // 64-value stages) take the tiled GEMMs, the last with partial row tiles
+        for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2), (320, 192, 8, 2)] {
             let cfg = sigmoid_router(e, top_k, 2.0);
             let host = random_moe(&mut rng, e, d, inter, 2);
             let lm = host.bf16_layer(&mma, &cfg, d, inter, 2);
             let lw = host.bf16_layer(&warp, &cfg, d, inter, 2);
+            let lr = host.bf16_layer(&rowmma, &cfg, d, inter, 2);
             let lc = host.bf16_layer(&cpu, &cfg, d, inter, 2);
-            for n in [9usize, 24, 70, 150] {
+            for n in [9usize, 24, 70, 150, 300] {
                 // bf16 inputs, so every backend multiplies the same values
                 let x: Vec<f32> = rng
                     .vec(n * d, 1.0)
@@ -817,14 +830,19 @@ mod gpu {
                     b.to_host(&o).unwrap()
                 };
                 let (got, want) = (run(&mma, &lm), run(&warp, &lw));
+                let rows = run(&rowmma, &lr);
                 let mut host = vec![0.0; n * d];
                 cpu.moe(&lc, &x, &tokens, n, d, &mut host).unwrap();
                 let (ew, ec) = (max_err(&got, &want, d), max_err(&got, &host, d));
+                let er = max_err(&got, &rows, d);
                 eprintln!(
-                    "d {d}, inter {inter}, {e} experts top {top_k}, {n} tokens: tensor cores vs one warp a row {ew:.2e}, vs the CPU {ec:.2e} (one warp a row vs the CPU {:.2e})",
+                    "d {d}, inter {inter}, {e} experts top {top_k}, {n} tokens: tensor cores vs one warp a row {ew:.2e}, vs the CPU {ec:.2e}, vs the row-streaming products {er:.2e} (one warp a row vs the CPU {:.2e})",
                     max_err(&want, &host, d)
                 );
-                assert!(ew < 2e-2 && ec < 3e-2, "{n} tokens: {ew:e} {ec:e}");
+                assert!(
+                    ew < 2e-2 && ec < 3e-2 && er < 2e-2,
+                    "{n} tokens: {ew:e} {ec:e} {er:e}"
+                );
                 // the same routing kernel on both devices' backends (the CPU's routing can
                 // differ on a near tie of bf16 inputs; its outputs are checked above)
                 let (a, b) = (

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::device::DevMem;
-use super::module::{ROWMMA_ROWS, ROWMMA_THREADS};
+use super::module::{MLA_DECODE_MMA_SMEM, MLA_DECODE_THREADS, ROWMMA_ROWS, ROWMMA_THREADS};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::step::CudaStep;
@@ -34,6 +34,11 @@ const V_ROWS: usize = 32;
 const MMA_MIN_TOKENS: usize = 8;
 const MMA_TOKENS: usize = 16;
 const MERGE_THREADS: u32 = 128;
+/// The tensor-core query absorption (`CudaOptions::absorb_mma`): latent columns and tokens a
+/// block (`MLA_QC`, `MLA_QT`), most nope values a head (`MLA_QMAXNOPE`).
+const ABSORB_COLS: usize = 64;
+const ABSORB_TOKENS: usize = 64;
+const ABSORB_MAX_NOPE: usize = 128;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
@@ -487,20 +492,43 @@ pub(crate) fn attention(
         return Ok(());
     }
     let qf = inner.scratch(n * heads * width, 4)?;
+    // steps past the decode kernels' tokens with a bf16 cache (and for the products, bf16 kv_b)
+    let mma_step = inner.opts.mla_mma && n > MMA_MIN_TOKENS && inner.act() == Act::Bf16;
+    let bf16_mma = mma_step && wi == 1;
     // ds2: one more block column, which writes the cache rows
-    let (absorb, extra) = if inner.opts.ds2.absorb {
-        (k.mla_q_absorb2[wi], 2)
+    let (absorb, grid) = if inner.opts.absorb_mma
+        && bf16_mma
+        && d.nope <= ABSORB_MAX_NOPE
+        && d.nope.is_multiple_of(16)
+        && r.is_multiple_of(ABSORB_COLS)
+    {
+        // the latent columns' blocks take ABSORB_TOKENS tokens each; the rope queries' and
+        // the cache rows' blocks, 8 tokens each, follow them
+        let grid = [
+            heads as u32,
+            (r / ABSORB_COLS + 2 * ABSORB_TOKENS / 8) as u32,
+            n.div_ceil(ABSORB_TOKENS) as u32,
+        ];
+        (inner.module.mla_mma[2], grid)
+    } else if inner.opts.ds2.absorb {
+        let grid = [
+            heads as u32,
+            n.div_ceil(8) as u32,
+            (r.div_ceil(64) + 2) as u32,
+        ];
+        (k.mla_q_absorb2[wi], grid)
     } else {
-        (k.mla_q_absorb[wi], 1)
+        let grid = [
+            heads as u32,
+            n.div_ceil(8) as u32,
+            (r.div_ceil(64) + 1) as u32,
+        ];
+        (k.mla_q_absorb[wi], grid)
     };
     launch(
         inner,
         absorb,
-        [
-            heads as u32,
-            n.div_ceil(8) as u32,
-            (r.div_ceil(64) + extra) as u32,
-        ],
+        grid,
         256,
         vec![
             qf.ptr(),
@@ -527,16 +555,28 @@ pub(crate) fn attention(
     let splits = splits_for(n * groups, step.max_ctx);
     let part_o = inner.scratch(n * heads * splits * r, 4)?;
     let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
-    launch(
-        inner,
-        if inner.opts.ds2.decode {
-            k.mla_decode2
-        } else {
-            k.mla_decode
-        },
-        [n as u32, groups as u32, splits as u32],
-        256,
-        vec![
+    let decode_mma = mma_step
+        && inner.opts.decode_mma
+        && r.is_multiple_of(64)
+        && width.is_multiple_of(32)
+        && MLA_DECODE_MMA_SMEM <= inner.module.max_smem;
+    let (kernel, threads, smem) = if decode_mma {
+        (
+            inner.module.mla_mma[3],
+            MLA_DECODE_THREADS,
+            MLA_DECODE_MMA_SMEM as u32,
+        )
+    } else if inner.opts.ds2.decode {
+        (k.mla_decode2, 256, 0)
+    } else {
+        (k.mla_decode, 256, 0)
+    };
+    inner.push(Op::Launch {
+        kernel,
+        grid: [n as u32, groups as u32, splits as u32],
+        block: threads,
+        smem,
+        args: vec![
             part_o.ptr(),
             part_ml.ptr(),
             qf.ptr(),
@@ -552,15 +592,10 @@ pub(crate) fn attention(
             f(p.scale * std::f32::consts::LOG2_E),
             splits as u64,
         ],
-    );
-    if inner.opts.mla_mma
-        && n > MMA_MIN_TOKENS
-        && inner.act() == Act::Bf16
-        && wi == 1
-        && r.is_multiple_of(8)
-    {
+    });
+    if bf16_mma && r.is_multiple_of(8) {
         // the merged latent outputs in bf16, then every token's V rows on tensor cores
-        let [merge, v_up] = inner.module.mla_mma;
+        let [merge, v_up, ..] = inner.module.mla_mma;
         let ol = inner.scratch(n * heads * r, 2)?;
         launch(
             inner,

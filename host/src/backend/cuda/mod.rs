@@ -149,11 +149,26 @@ pub struct CudaOptions {
     /// `moe_dn_mma`; bf16 weights and activations) instead of one warp a row
     /// (`moe_gateup` / `moe_down`); `DEEPINFER_CUDA_MOE_MMA=0` turns it off.
     pub moe_mma: bool,
+    /// Among those, steps whose experts average at least 32 assignments each (prefill) take
+    /// tiled GEMMs (`moe_gu_gemm`, `moe_dn_gemm`: 128 rows by 64 assignments a block, both
+    /// staged in shared memory) instead of the row-streaming products, which read an expert's
+    /// rows again for every 32 of its assignments; `DEEPINFER_CUDA_MOE_GEMM=0` turns it off.
+    pub moe_gemm: bool,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
     /// `DEEPINFER_CUDA_MLA_MMA=0` turns it off.
     pub mla_mma: bool,
+    /// The query absorption of such steps (bf16, nope at most 128) on tensor cores too
+    /// (`mla_q_absorb_mma`: a block stages 64 latent columns' K rows once for 64 tokens)
+    /// instead of `mla_q_absorb2` (a block per 8 tokens and 64 columns);
+    /// `DEEPINFER_CUDA_ABSORB_MMA=0` turns it off (as does `DEEPINFER_CUDA_MLA_MMA=0`).
+    pub absorb_mma: bool,
+    /// The split-KV attention of such steps (bf16 cache, latent a multiple of 64, latent +
+    /// rope a multiple of 32) on tensor cores too (`mla_decode_mma`: 16 heads as the M
+    /// dimension, 32-key tiles) instead of `mla_decode2`; `DEEPINFER_CUDA_DECODE_MMA=0` turns
+    /// it off (as does `DEEPINFER_CUDA_MLA_MMA=0`).
+    pub decode_mma: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -300,6 +315,9 @@ impl Default for CudaOptions {
             fuse_layer: false,
             moe_mma: true,
             mla_mma: true,
+            absorb_mma: true,
+            moe_gemm: true,
+            decode_mma: true,
         }
     }
 }
@@ -369,6 +387,9 @@ impl CudaOptions {
         o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
         o.moe_mma = !off("DEEPINFER_CUDA_MOE_MMA");
         o.mla_mma = !off("DEEPINFER_CUDA_MLA_MMA");
+        o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
+        o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
+        o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

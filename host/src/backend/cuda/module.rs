@@ -422,6 +422,23 @@ pub const GEMVP_MAXK: usize = 2048;
 /// up-projection of larger steps.
 pub const ROWMMA_ROWS: usize = 64;
 pub const ROWMMA_THREADS: u32 = 128;
+/// The tensor-core MLA decode (`mla_decode_mma` in `kernels/mla.cu`): threads a block, keys a
+/// tile (`MLA_DT`), and its dynamic shared memory (`MLA_DSMEM`: two key tiles and the query of
+/// 16 heads, rows of the widest latent + rope (576) padded by 8 values, bf16).
+pub const MLA_DECODE_THREADS: u32 = 128;
+pub const MLA_DECODE_KEYS: usize = 32;
+pub const MLA_DECODE_MMA_SMEM: usize = (2 * MLA_DECODE_KEYS + 16) * (576 + 8) * 2;
+/// The tiled grouped expert GEMMs (`moe_gu_gemm` / `moe_dn_gemm` in `kernels/moe.cu`): weight
+/// rows and assignments a tile, k a stage (`MOEG_TM`, `MOEG_TN`, `MOEG_TK`), threads a block.
+pub const MOE_GEMM_ROWS: usize = 128;
+pub const MOE_GEMM_TOKENS: usize = 64;
+pub const MOE_GEMM_K: usize = 64;
+pub const MOE_GEMM_THREADS: u32 = 256;
+/// Dynamic shared memory of a tiled grouped GEMM of `nm` matrices: two stages of `nm` weight
+/// tiles and one input tile, rows padded by 8 values (`MoegStage`).
+pub const fn moe_gemm_smem(nm: usize) -> usize {
+    2 * (nm * MOE_GEMM_ROWS + MOE_GEMM_TOKENS) * (MOE_GEMM_K + 8) * 2
+}
 
 /// The loaded module and its kernel ids.
 pub struct Module {
@@ -449,8 +466,12 @@ pub struct Module {
     /// The grouped expert products on tensor cores (bf16 weights and activations): gate/up
     /// with SwiGLU, and down.
     pub moe_mma: [KernelId; 2],
-    /// MLA's split merge into bf16 latents and the V up-projection on tensor cores (bf16).
-    pub mla_mma: [KernelId; 2],
+    /// The same products as tiled GEMMs for steps whose experts have many tokens each
+    /// (prefill): gate/up with SwiGLU, and down.
+    pub moe_gemm: [KernelId; 2],
+    /// MLA on tensor cores (bf16): the split merge into bf16 latents, the V up-projection,
+    /// the query absorption with the rope queries and cache rows, and the split-KV decode.
+    pub mla_mma: [KernelId; 4],
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
     /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
@@ -673,7 +694,13 @@ impl Module {
         let mut deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
         let moe_mma = [get("moe_gu_mma".into())?, get("moe_dn_mma".into())?];
-        let mla_mma = [get("mla_merge".into())?, get("mla_v_mma".into())?];
+        let moe_gemm = [get("moe_gu_gemm".into())?, get("moe_dn_gemm".into())?];
+        let mla_mma = [
+            get("mla_merge".into())?,
+            get("mla_v_mma".into())?,
+            get("mla_q_absorb_mma".into())?,
+            get("mla_decode_mma".into())?,
+        ];
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
         for (i, t) in GEMT_TOKENS.iter().enumerate() {
@@ -701,6 +728,11 @@ impl Module {
                 p2.chain(p3)
             })
             .chain(gemt_bytes)
+            .chain([
+                (mla_mma[3], MLA_DECODE_MMA_SMEM),
+                (moe_gemm[0], moe_gemm_smem(2)),
+                (moe_gemm[1], moe_gemm_smem(1)),
+            ])
             .chain(
                 [&f32, &bf16]
                     .iter()
@@ -755,6 +787,7 @@ impl Module {
             deepseek,
             moe_plan,
             moe_mma,
+            moe_gemm,
             mla_mma,
             gemt,
             gemt_swiglu,
@@ -873,8 +906,12 @@ mod tests {
             "moe_plan",
             "moe_gu_mma",
             "moe_dn_mma",
+            "moe_gu_gemm",
+            "moe_dn_gemm",
             "mla_merge",
             "mla_v_mma",
+            "mla_q_absorb_mma",
+            "mla_decode_mma",
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",

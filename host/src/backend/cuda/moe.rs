@@ -8,7 +8,10 @@
 use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
-use super::module::{KernelId, Module, ROWMMA_ROWS, ROWMMA_THREADS};
+use super::module::{
+    moe_gemm_smem, KernelId, Module, MOE_GEMM_K, MOE_GEMM_ROWS, MOE_GEMM_THREADS, MOE_GEMM_TOKENS,
+    ROWMMA_ROWS, ROWMMA_THREADS,
+};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::weights::WType;
@@ -29,6 +32,9 @@ const PLAN_THREADS: u32 = 1024;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
 /// shared-expert slots; experts per routing block, rows per block of the expert products.
 const DEC_MAX_TOKENS: usize = 8;
+/// Average assignments an expert from which a step takes the tiled grouped GEMMs
+/// (`CudaOptions::moe_gemm`): one tile's worth, half of it at least filled on average.
+const GEMM_MIN_AVG: usize = 32;
 const DEC_MAX_EXPERTS: usize = 256;
 const DEC_MAX_SLOTS: usize = 64;
 const DEC_MAX_SHARED: usize = 16;
@@ -275,22 +281,47 @@ pub(crate) fn forward(
     );
     // tensor cores where a step has more assignments than the decode kernels take
     let mma = inner.opts.moe_mma && act == Act::Bf16 && st.wi == 1 && n > DEC_MAX_TOKENS;
-    let (gateup, down, rows_per_block, threads) = if mma {
+    // tiled GEMMs where the experts average GEMM_MIN_AVG assignments or more (both row lengths
+    // in whole stages)
+    let gemm = mma
+        && inner.opts.moe_gemm
+        && nk >= GEMM_MIN_AVG * e
+        && d.is_multiple_of(MOE_GEMM_K)
+        && inter.is_multiple_of(MOE_GEMM_K)
+        && moe_gemm_smem(2) <= inner.module.max_smem;
+    let (gateup, down, rows_per_block, threads, blocks, smem) = if gemm {
+        // an upper bound of the active experts' tiles; the rest of the blocks leave at once
+        let tiles = (nk.div_ceil(MOE_GEMM_TOKENS) + slots as usize) as u32;
+        let [gu, dn] = inner.module.moe_gemm;
+        let sm = [moe_gemm_smem(2) as u32, moe_gemm_smem(1) as u32];
+        (gu, dn, MOE_GEMM_ROWS, MOE_GEMM_THREADS, tiles, sm)
+    } else if mma {
         let [gu, dn] = inner.module.moe_mma;
-        (gu, dn, ROWMMA_ROWS, ROWMMA_THREADS)
+        (gu, dn, ROWMMA_ROWS, ROWMMA_THREADS, slots, [0, 0])
     } else {
         (
             kern.moe_gateup[st.wi][ti],
             kern.moe_down[st.wi][ti],
             ROWS_PER_BLOCK,
             (ROWS_PER_BLOCK * 32) as u32,
+            slots,
+            [0, 0],
         )
     };
-    launch(
-        inner,
+    // a launch of `out_rows` rows a group of assignments
+    let push = |kernel, out_rows: usize, smem, args| {
+        inner.push(Op::Launch {
+            kernel,
+            grid: [blocks, out_rows.div_ceil(rows_per_block) as u32, 1],
+            block: threads,
+            smem,
+            args,
+        })
+    };
+    push(
         gateup,
-        [slots, inter.div_ceil(rows_per_block) as u32, 1],
-        threads,
+        inter,
+        smem[0],
         vec![
             h.ptr(),
             x.ptr(),
@@ -306,11 +337,10 @@ pub(crate) fn forward(
         ],
     );
     let y = inner.scratch(nk * d, 4)?;
-    launch(
-        inner,
+    push(
         down,
-        [slots, d.div_ceil(rows_per_block) as u32, 1],
-        threads,
+        d,
+        smem[1],
         vec![
             y.ptr(),
             h.ptr(),
