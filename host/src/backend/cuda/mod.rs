@@ -154,6 +154,9 @@ pub struct CudaOptions {
     /// staged in shared memory) instead of the row-streaming products, which read an expert's
     /// rows again for every 32 of its assignments; `DEEPINFER_CUDA_MOE_GEMM=0` turns it off.
     pub moe_gemm: bool,
+    /// The average assignments an expert from which `moe_gemm` takes a step (32;
+    /// `DEEPINFER_CUDA_MOE_GEMM_MIN=N` sets another, for measuring where the two cross).
+    pub moe_gemm_min: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -317,6 +320,7 @@ impl Default for CudaOptions {
             mla_mma: true,
             absorb_mma: true,
             moe_gemm: true,
+            moe_gemm_min: 32,
             decode_mma: true,
         }
     }
@@ -389,6 +393,13 @@ impl CudaOptions {
         o.mla_mma = !off("DEEPINFER_CUDA_MLA_MMA");
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
+        if let Ok(v) = std::env::var("DEEPINFER_CUDA_MOE_GEMM_MIN") {
+            o.moe_gemm_min = v.parse().map_err(|_| {
+                Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_MOE_GEMM_MIN={v}: expected a whole number of assignments"
+                ))
+            })?;
+        }
         o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {

@@ -32,9 +32,6 @@ const PLAN_THREADS: u32 = 1024;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
 /// shared-expert slots; experts per routing block, rows per block of the expert products.
 const DEC_MAX_TOKENS: usize = 8;
-/// Average assignments an expert from which a step takes the tiled grouped GEMMs
-/// (`CudaOptions::moe_gemm`): one tile's worth, half of it at least filled on average.
-const GEMM_MIN_AVG: usize = 32;
 const DEC_MAX_EXPERTS: usize = 256;
 const DEC_MAX_SLOTS: usize = 64;
 const DEC_MAX_SHARED: usize = 16;
@@ -281,11 +278,11 @@ pub(crate) fn forward(
     );
     // tensor cores where a step has more assignments than the decode kernels take
     let mma = inner.opts.moe_mma && act == Act::Bf16 && st.wi == 1 && n > DEC_MAX_TOKENS;
-    // tiled GEMMs where the experts average GEMM_MIN_AVG assignments or more (both row lengths
-    // in whole stages)
+    // tiled GEMMs where the experts average `moe_gemm_min` assignments or more (both row
+    // lengths in whole stages)
     let gemm = mma
         && inner.opts.moe_gemm
-        && nk >= GEMM_MIN_AVG * e
+        && nk >= inner.opts.moe_gemm_min * e
         && d.is_multiple_of(MOE_GEMM_K)
         && inter.is_multiple_of(MOE_GEMM_K)
         && moe_gemm_smem(2) <= inner.module.max_smem;
