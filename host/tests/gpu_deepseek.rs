@@ -806,8 +806,8 @@ mod gpu {
         let rowmma = cuda_set(Act::Bf16, |o| o.moe_gemm = false);
         let cpu = CpuBackend::new(2);
         let mut rng = Rng::fresh("moe_mma");
-        // the last two shapes' longer steps (at least 32 assignments an expert, rows of whole
-        // 64-value stages) take the tiled GEMMs, the last with partial row tiles
+        // the last two shapes' steps of 4 assignments an expert or more (rows of whole 64-value
+        // stages) take the tiled GEMMs, the last with partial row tiles; `rowmma` never does
         for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2), (320, 192, 8, 2)] {
             let cfg = sigmoid_router(e, top_k, 2.0);
             let host = random_moe(&mut rng, e, d, inter, 2);

@@ -557,7 +557,7 @@ pub(crate) fn attention(
     let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
     let decode_mma = mma_step
         && inner.opts.decode_mma
-        && r.is_multiple_of(64)
+        && r.is_multiple_of(128)
         && width.is_multiple_of(32)
         && MLA_DECODE_MMA_SMEM <= inner.module.max_smem;
     let (kernel, threads, smem) = if decode_mma {

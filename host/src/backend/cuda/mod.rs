@@ -149,13 +149,15 @@ pub struct CudaOptions {
     /// `moe_dn_mma`; bf16 weights and activations) instead of one warp a row
     /// (`moe_gateup` / `moe_down`); `DEEPINFER_CUDA_MOE_MMA=0` turns it off.
     pub moe_mma: bool,
-    /// Among those, steps whose experts average at least 32 assignments each (prefill) take
+    /// Among those, steps whose experts average at least 4 assignments each (prefill, decode
+    /// batches from 43 sequences of a 64-expert top-6 model) take
     /// tiled GEMMs (`moe_gu_gemm`, `moe_dn_gemm`: 128 rows by 64 assignments a block, both
     /// staged in shared memory) instead of the row-streaming products, which read an expert's
     /// rows again for every 32 of its assignments; `DEEPINFER_CUDA_MOE_GEMM=0` turns it off.
     pub moe_gemm: bool,
-    /// The average assignments an expert from which `moe_gemm` takes a step (32;
-    /// `DEEPINFER_CUDA_MOE_GEMM_MIN=N` sets another, for measuring where the two cross).
+    /// The average assignments an expert from which `moe_gemm` takes a step (4; on the H200
+    /// the tiled GEMMs were slower at 1.5 and faster from 6, doc/benchmarks.md;
+    /// `DEEPINFER_CUDA_MOE_GEMM_MIN=N` sets another).
     pub moe_gemm_min: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
@@ -167,7 +169,7 @@ pub struct CudaOptions {
     /// instead of `mla_q_absorb2` (a block per 8 tokens and 64 columns);
     /// `DEEPINFER_CUDA_ABSORB_MMA=0` turns it off (as does `DEEPINFER_CUDA_MLA_MMA=0`).
     pub absorb_mma: bool,
-    /// The split-KV attention of such steps (bf16 cache, latent a multiple of 64, latent +
+    /// The split-KV attention of such steps (bf16 cache, latent a multiple of 128, latent +
     /// rope a multiple of 32) on tensor cores too (`mla_decode_mma`: 16 heads as the M
     /// dimension, 32-key tiles) instead of `mla_decode2`; `DEEPINFER_CUDA_DECODE_MMA=0` turns
     /// it off (as does `DEEPINFER_CUDA_MLA_MMA=0`).
@@ -320,7 +322,7 @@ impl Default for CudaOptions {
             mla_mma: true,
             absorb_mma: true,
             moe_gemm: true,
-            moe_gemm_min: 32,
+            moe_gemm_min: 4,
             decode_mma: true,
         }
     }

@@ -425,7 +425,7 @@ pub const ROWMMA_THREADS: u32 = 128;
 /// The tensor-core MLA decode (`mla_decode_mma` in `kernels/mla.cu`): threads a block, keys a
 /// tile (`MLA_DT`), and its dynamic shared memory (`MLA_DSMEM`: two key tiles and the query of
 /// 16 heads, rows of the widest latent + rope (576) padded by 8 values, bf16).
-pub const MLA_DECODE_THREADS: u32 = 128;
+pub const MLA_DECODE_THREADS: u32 = 256;
 pub const MLA_DECODE_KEYS: usize = 32;
 pub const MLA_DECODE_MMA_SMEM: usize = (2 * MLA_DECODE_KEYS + 16) * (576 + 8) * 2;
 /// The tiled grouped expert GEMMs (`moe_gu_gemm` / `moe_dn_gemm` in `kernels/moe.cu`): weight
