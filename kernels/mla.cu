@@ -784,16 +784,17 @@ extern "C" __global__ void __launch_bounds__(256) mla_q_absorb_mma(
 // unnormalized latent output and its (max, sum) in log2 units). Keys stream through shared
 // memory in tiles of MLA_DT by cp.async, two buffers so the next tile's rows are in flight while
 // one is used (the first tile's rows written by earlier steps before the programmatic wait);
-// the scaled query is staged once as bf16. Per tile: warp w scores keys 8 w .. 8 w + 8 with
-// every head (S = Q K^T, ldmatrix of the staged rows), the block takes the tile's online-softmax
-// step in shared memory (P in bf16), then warp w adds P V for latent columns [w r / 4,
-// (w + 1) r / 4) (V = the rows' first r values, through ldmatrix.trans). Needs W % 32 == 0,
-// r % 64 == 0, W <= MLA_MAXW.
+// the scaled query is staged once as bf16. Per tile: warp w scores keys 8 (w % 4) .. + 8 with
+// every head over every other 32 of the W values from 32 (w / 4) (S = Q K^T, ldmatrix of the
+// staged rows; the two halves' sums meet in shared memory), the block takes the tile's
+// online-softmax step there (P in bf16), then warp w adds P V for latent columns [w r / 8,
+// (w + 1) r / 8) (V = the rows' first r values, through ldmatrix.trans). Needs W % 32 == 0,
+// r % 128 == 0, W <= MLA_MAXW.
 #define MLA_DT 32                                           // keys a tile
 #define MLA_DWP (MLA_MAXW + 8)                              // a staged row, values (ldmatrix without bank conflicts)
-#define MLA_DTHREADS 128
+#define MLA_DTHREADS 256
 #define MLA_DSMEM ((2 * MLA_DT + MLA_HEADS) * MLA_DWP * 2)  // dynamic shared memory: two key tiles, the query
-#define MLA_DNT (MLA_MAXW / 32)                             // most 8-column output tiles a warp (r / 32)
+#define MLA_DNT (MLA_MAXW / 64)                             // most 8-column output tiles a warp (r / 64)
 
 // Tile rows of keys j0 .. j0 + nk (their cache offsets in `slot`) into `sk` by cp.async; rows
 // past nk are zero-filled. which: 1 the rows before `safe` only, 2 all others, 0 all.
@@ -823,12 +824,12 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
     extern __shared__ __align__(16) u8 mla_dsm[];
     bf16_t(*sk)[MLA_DT][MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DT][MLA_DWP]>(mla_dsm);
     bf16_t(*sq)[MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DWP]>(mla_dsm + 2 * MLA_DT * MLA_DWP * 2);
-    __shared__ float ss[MLA_HEADS][MLA_DT];
+    __shared__ float ss[2][MLA_HEADS][MLA_DT];
     __shared__ __align__(16) bf16_t sp[MLA_HEADS][MLA_DT + 8];
     __shared__ float scorr[MLA_HEADS], smax[MLA_HEADS], ssum[MLA_HEADS];
     __shared__ long slot[2][MLA_DT];
     const int t = blockIdx.x, hb = blockIdx.y * MLA_HEADS, s = blockIdx.z;
-    const int W = r + dr, rw = r / 4;  // latent columns a warp
+    const int W = r + dr, rw = r / 8;  // latent columns a warp
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int len = positions[t] + 1;
     const int chunk = (len + splits - 1) / splits;
@@ -883,12 +884,13 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
         cp_async_commit();
         cp_async_wait_group<1>();  // this tile's rows
         __syncthreads();
-        // scores of keys 8 warp .. + 8 with all heads (the two halves of each 32-value step
-        // into their own sums: two chains of dependent products instead of one)
+        // scores of keys 8 kw .. + 8 with all heads over half the values (the two halves of
+        // each 32-value step into their own sums: two chains of dependent products, not one)
+        const int kw = warp & 3, dh = warp >> 2;
         float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int k = 0; k < W; k += 32) {
+        for (int k = dh * 32; k < W; k += 64) {
             u32 b[4], a[4], a2[4];
-            ldsm_x4(b[0], b[1], b[2], b[3], &sk[buf][warp * 8 + (lane & 7)][k + (lane >> 3) * 8]);
+            ldsm_x4(b[0], b[1], b[2], b[3], &sk[buf][kw * 8 + (lane & 7)][k + (lane >> 3) * 8]);
             ldsm_x4(a[0], a[1], a[2], a[3], &sq[lane & 15][k + (lane >> 4) * 8]);
             ldsm_x4(a2[0], a2[1], a2[2], a2[3], &sq[lane & 15][k + 16 + (lane >> 4) * 8]);
             mma_bf16_16816(sc, a, b[0], b[1]);
@@ -896,34 +898,34 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) sc[i] += sc2[i];
-        ss[g][warp * 8 + 2 * tq] = sc[0];
-        ss[g][warp * 8 + 2 * tq + 1] = sc[1];
-        ss[g + 8][warp * 8 + 2 * tq] = sc[2];
-        ss[g + 8][warp * 8 + 2 * tq + 1] = sc[3];
+        ss[dh][g][kw * 8 + 2 * tq] = sc[0];
+        ss[dh][g][kw * 8 + 2 * tq + 1] = sc[1];
+        ss[dh][g + 8][kw * 8 + 2 * tq] = sc[2];
+        ss[dh][g + 8][kw * 8 + 2 * tq + 1] = sc[3];
         __syncthreads();
         {
-            // the online-softmax step: 8 threads a head, 4 keys each
-            const int hh = threadIdx.x >> 3, kq = (threadIdx.x & 7) * 4;
-            float v[4], mx = NEG_INF;
+            // the online-softmax step: 16 threads a head, 2 keys each
+            const int hh = threadIdx.x >> 4, kq = (threadIdx.x & 15) * 2;
+            float v[2], mx = NEG_INF;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                v[i] = kq + i < nk ? ss[hh][kq + i] : NEG_INF;
+            for (int i = 0; i < 2; i++) {
+                v[i] = kq + i < nk ? ss[0][hh][kq + i] + ss[1][hh][kq + i] : NEG_INF;
                 mx = fmaxf(mx, v[i]);
             }
 #pragma unroll
-            for (int o = 4; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
             const float mo = smax[hh], mn = fmaxf(mo, mx);
             float ps = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < 2; i++) {
                 const float p = exp2f(v[i] - mn);
                 sp[hh][kq + i] = f32_to_bf16(p);
                 ps += p;
             }
 #pragma unroll
-            for (int o = 4; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+            for (int o = 8; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
             __syncwarp();
-            if ((threadIdx.x & 7) == 0) {
+            if ((threadIdx.x & 15) == 0) {
                 const float c = exp2f(mo - mn);
                 scorr[hh] = c;
                 ssum[hh] = ssum[hh] * c + ps;
