@@ -176,7 +176,7 @@ __device__ __forceinline__ void gemt_impl(const u8* w0, const u8* w1, const u8* 
                     const float gr = act_round(y0, gv[j]), ur = act_round(y1, uv[j]);
                     const long e = (long)tok * m + row;
                     act_store(y1, e, ur);
-                    act_store(y0, e, gr / (1.0f + expf(-gr)) * ur);
+                    act_store(y0, e, swiglu(gr, ur));
                 }
             }
         } else {
@@ -321,7 +321,7 @@ __device__ __forceinline__ void rowmma_group(OT* out, const bf16_t* x, const u8*
                 const long o = (long)map.at(p0 + i) * out_rows + r;
                 if (NM == 2) {
                     const float gs = acc[0][j][q], us = acc[1][j][q];
-                    act_store(out, o, gs / (1.0f + expf(-gs)) * us);
+                    act_store(out, o, swiglu(gs, us));
                 } else {
                     act_store(out, o, acc[0][j][q]);
                 }

@@ -142,7 +142,6 @@ __device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, i
         act_store(dst, a, v.x);
         act_store(dst, b, v.y);
     }
-    return;
 }
 
 // qf[t, h, c] = sum_j q[t, h, j] W[h (nope + v) + j, c] for c < r, then the rope query for

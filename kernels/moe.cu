@@ -347,7 +347,7 @@ __device__ void moe_gemv_impl(void* out, const T* x, const u64* w1s, const u64* 
                 if (lane == 0) {
                     const long a = rows[p0 + i];
                     if (GATED) {
-                        act_store(reinterpret_cast<T*>(out), a * out_rows + r, gs / (1.0f + expf(-gs)) * us);
+                        act_store(reinterpret_cast<T*>(out), a * out_rows + r, swiglu(gs, us));
                     } else {
                         reinterpret_cast<float*>(out)[a * out_rows + r] = gs;
                     }
@@ -868,7 +868,7 @@ __device__ void moe_gu_dec_impl(T* hout, const T* x, const T* src, const float* 
                     a += red[w][tid * 2];
                     b += red[w][tid * 2 + 1];
                 }
-                act_store(hout, ((long)s * N + t) * inter + r0 + i, a / (1.0f + expf(-a)) * b);
+                act_store(hout, ((long)s * N + t) * inter + r0 + i, swiglu(a, b));
             }
         }
         __syncthreads();  // red is reused by the next chunk
@@ -1449,7 +1449,7 @@ __device__ __forceinline__ void moeg_impl(OT* out, const bf16_t* x, const u64* w
                     const long o = (long)s_a[j] * out_rows + row;
                     if (NM == 2) {
                         const float gs = acc[0][mi][ni][q], us = acc[NM - 1][mi][ni][q];
-                        act_store(out, o, gs / (1.0f + expf(-gs)) * us);
+                        act_store(out, o, swiglu(gs, us));
                     } else {
                         act_store(out, o, acc[0][mi][ni][q]);
                     }

@@ -28,8 +28,8 @@ pub const MLA_MAX_NOPE: usize = 256;
 const MLA_HEADS: usize = 16;
 /// Output rows per V up-projection block (`MLA_VROWS`).
 const V_ROWS: usize = 32;
-/// Steps of more tokens than this (bf16) take the V up-projection on tensor cores
-/// (`CudaOptions::mla_mma`); tokens a block of it (`MLA_VT`) and threads of its split merge
+/// Steps of more tokens than this (bf16) take MLA's tensor-core kernels (`CudaOptions::mla_mma`);
+/// tokens a block of the V up-projection (`MLA_VT`) and threads of its split merge
 /// (`MLA_MERGE_THREADS`).
 const MMA_MIN_TOKENS: usize = 8;
 const MMA_TOKENS: usize = 16;
@@ -495,7 +495,6 @@ pub(crate) fn attention(
     // steps past the decode kernels' tokens with a bf16 cache (and for the products, bf16 kv_b)
     let mma_step = inner.opts.mla_mma && n > MMA_MIN_TOKENS && inner.act() == Act::Bf16;
     let bf16_mma = mma_step && wi == 1;
-    // ds2: one more block column, which writes the cache rows
     let (absorb, grid) = if inner.opts.absorb_mma
         && bf16_mma
         && d.nope <= ABSORB_MAX_NOPE
@@ -510,20 +509,19 @@ pub(crate) fn attention(
             n.div_ceil(ABSORB_TOKENS) as u32,
         ];
         (inner.module.mla_mma[2], grid)
-    } else if inner.opts.ds2.absorb {
-        let grid = [
-            heads as u32,
-            n.div_ceil(8) as u32,
-            (r.div_ceil(64) + 2) as u32,
-        ];
-        (k.mla_q_absorb2[wi], grid)
     } else {
+        // ds2: one more block column, which writes the cache rows
+        let (kernel, extra) = if inner.opts.ds2.absorb {
+            (k.mla_q_absorb2[wi], 2)
+        } else {
+            (k.mla_q_absorb[wi], 1)
+        };
         let grid = [
             heads as u32,
             n.div_ceil(8) as u32,
-            (r.div_ceil(64) + 1) as u32,
+            (r.div_ceil(64) + extra) as u32,
         ];
-        (k.mla_q_absorb[wi], grid)
+        (kernel, grid)
     };
     launch(
         inner,
