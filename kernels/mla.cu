@@ -976,6 +976,210 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
     }
 }
 
+// mla_decode_mma4: mla_decode_mma for steps whose sequences run several tokens each (prompts):
+// a block takes MLA_D4T consecutive tokens of the step with their 16 heads as 64 rows, so each
+// key tile streamed into shared memory serves all of them. The block's tokens are taken a run of
+// one sequence at a time (a block spanning two sequences walks each one's keys); a run's split s
+// covers keys [s c, (s + 1) c) of its longest context (c = ceil(longest / splits)) and masks
+// each token's keys from its own length on, so every key of a token is in exactly one split, as
+// the merge needs. 8 warps: warp w scores the 16 rows of token w % 4 against keys
+// 16 (w / 4) .. + 16 of the tile, the block takes the online-softmax step in shared memory, then
+// warp w adds P V for token w % 4's rows and latent columns [(w / 4) r / 2, (w / 4 + 1) r / 2).
+// No loads before the programmatic wait (prompts are not latency-bound). Needs W % 32 == 0,
+// r % 32 == 0, r <= 512, W <= MLA_MAXW.
+#define MLA_D4T 4
+#define MLA_D4ROWS (MLA_D4T * MLA_HEADS)
+#define MLA_D4NT (512 / 2 / 8)                                  // most 8-column output tiles a warp
+#define MLA_D4SMEM ((2 * MLA_DT + MLA_D4ROWS) * MLA_DWP * 2)    // two key tiles, 64 query rows
+
+extern "C" __global__ void __launch_bounds__(MLA_DTHREADS, 1) mla_decode_mma4(
+    float* part_o, float* part_ml, const float* qf, const bf16_t* cache, const int* tok_seq, const int* positions,
+    const int* tables, int table_width, int block_size, int heads, int r, int dr, float scale_log2, int splits,
+    int n) {
+    pdl_launch_dependents();
+    extern __shared__ __align__(16) u8 mla_dsm4[];
+    bf16_t(*sk)[MLA_DT][MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DT][MLA_DWP]>(mla_dsm4);
+    bf16_t(*sq)[MLA_DWP] = reinterpret_cast<bf16_t(*)[MLA_DWP]>(mla_dsm4 + 2 * MLA_DT * MLA_DWP * 2);
+    __shared__ float ss[MLA_D4ROWS][MLA_DT];
+    __shared__ __align__(16) bf16_t sp[MLA_D4ROWS][MLA_DT + 8];
+    __shared__ float scorr[MLA_D4ROWS], smax[MLA_D4ROWS], ssum[MLA_D4ROWS];
+    __shared__ long slot[2][MLA_DT];
+    __shared__ int slen[MLA_D4T], sseq[MLA_D4T];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    const int tb = blockIdx.x * MLA_D4T, hb = blockIdx.y * MLA_HEADS, s = blockIdx.z;
+    const int nt = min(MLA_D4T, n - tb);
+    const int W = r + dr, rh = r / 2;
+    const int tw = warp & 3, kh = warp >> 2;  // this warp's token of the block, key / column half
+    pdl_wait();
+    if (tid < MLA_D4T) {
+        slen[tid] = tid < nt ? positions[tb + tid] + 1 : 0;
+        sseq[tid] = tid < nt ? tok_seq[tb + tid] : -1;
+    }
+    // the block's scaled queries as bf16 (rows of missing tokens or heads zero)
+    constexpr int MLA_DQL = 6;
+    for (int e0 = 0; e0 < MLA_D4ROWS * (W / 4); e0 += MLA_DQL * MLA_DTHREADS) {
+        float4 v[MLA_DQL];
+#pragma unroll
+        for (int i = 0; i < MLA_DQL; i++) {
+            const int e = e0 + i * MLA_DTHREADS + tid, row = e / (W / 4), c = (e % (W / 4)) * 4;
+            const int ts = row >> 4, hh = row & 15;
+            v[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (row < MLA_D4ROWS && ts < nt && hb + hh < heads)
+                v[i] = *reinterpret_cast<const float4*>(qf + ((long)(tb + ts) * heads + hb + hh) * W + c);
+        }
+#pragma unroll
+        for (int i = 0; i < MLA_DQL; i++) {
+            const int e = e0 + i * MLA_DTHREADS + tid, row = e / (W / 4), c = (e % (W / 4)) * 4;
+            if (row < MLA_D4ROWS) {
+                sq[row][c] = f32_to_bf16(v[i].x * scale_log2);
+                sq[row][c + 1] = f32_to_bf16(v[i].y * scale_log2);
+                sq[row][c + 2] = f32_to_bf16(v[i].z * scale_log2);
+                sq[row][c + 3] = f32_to_bf16(v[i].w * scale_log2);
+            }
+        }
+    }
+    __syncthreads();
+    for (int a = 0; a < nt;) {
+        // the run of tokens [a, b) of one sequence, and its longest context
+        int b = a + 1, longest = slen[a];
+        while (b < nt && sseq[b] == sseq[a]) longest = max(longest, slen[b++]);
+        const int chunk = (longest + splits - 1) / splits;
+        const int k0 = s * chunk, k1 = min(longest, k0 + chunk);
+        const int* table = tables + (long)sseq[a] * table_width;
+        if (tid < MLA_D4ROWS) {
+            smax[tid] = NEG_INF;
+            ssum[tid] = 0.0f;
+        }
+        float acc[MLA_D4NT][4];
+#pragma unroll
+        for (int q = 0; q < MLA_D4NT; q++) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.0f;
+        mla_dm_slots(slot[0], table, block_size, W, k0, k1);
+        __syncthreads();
+        if (k0 < k1) mla_dm_tile(sk[0], slot[0], cache, W, min(MLA_DT, k1 - k0), k0, 0, 0);
+        cp_async_commit();
+        int buf = 0;
+        for (int j0 = k0; j0 < k1; j0 += MLA_DT, buf ^= 1) {
+            const int nk = min(MLA_DT, k1 - j0), jn = j0 + MLA_DT;
+            if (jn < k1) {
+                mla_dm_slots(slot[buf ^ 1], table, block_size, W, jn, k1);
+                __syncthreads();
+                mla_dm_tile(sk[buf ^ 1], slot[buf ^ 1], cache, W, min(MLA_DT, k1 - jn), jn, 0, 0);
+            }
+            cp_async_commit();
+            cp_async_wait_group<1>();
+            __syncthreads();
+            // scores of token tw's rows against keys 16 kh .. + 16 (the two halves of each
+            // 32-value step into their own sums)
+            float sa[2][4], sb[2][4];
+#pragma unroll
+            for (int nb = 0; nb < 2; nb++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) sa[nb][i] = sb[nb][i] = 0.0f;
+            for (int k = 0; k < W; k += 32) {
+                u32 a0[4], a1[4];
+                ldsm_x4(a0[0], a0[1], a0[2], a0[3], &sq[tw * 16 + (lane & 15)][k + (lane >> 4) * 8]);
+                ldsm_x4(a1[0], a1[1], a1[2], a1[3], &sq[tw * 16 + (lane & 15)][k + 16 + (lane >> 4) * 8]);
+#pragma unroll
+                for (int nb = 0; nb < 2; nb++) {
+                    u32 bq[4];
+                    ldsm_x4(bq[0], bq[1], bq[2], bq[3], &sk[buf][kh * 16 + nb * 8 + (lane & 7)][k + (lane >> 3) * 8]);
+                    mma_bf16_16816(sa[nb], a0, bq[0], bq[1]);
+                    mma_bf16_16816(sb[nb], a1, bq[2], bq[3]);
+                }
+            }
+#pragma unroll
+            for (int nb = 0; nb < 2; nb++)
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    ss[tw * 16 + g + (i >> 1) * 8][kh * 16 + nb * 8 + 2 * tq + (i & 1)] = sa[nb][i] + sb[nb][i];
+            __syncthreads();
+            {
+                // the online-softmax step: 4 threads a row, 8 keys each; a row's keys count
+                // while its token's context lasts
+                const int row = tid >> 2, kq = (tid & 3) * 8, ts = row >> 4;
+                const int lim = ts >= a && ts < b ? min(nk, slen[ts] - j0) : 0;
+                float v[8], mx = NEG_INF;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    v[i] = kq + i < lim ? ss[row][kq + i] : NEG_INF;
+                    mx = fmaxf(mx, v[i]);
+                }
+#pragma unroll
+                for (int o = 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                const float mo = smax[row], mn = fmaxf(mo, mx);
+                const bool none = mn == NEG_INF;  // no key of this row yet
+                float ps = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const float p = none ? 0.0f : exp2f(v[i] - mn);
+                    sp[row][kq + i] = f32_to_bf16(p);
+                    ps += p;
+                }
+#pragma unroll
+                for (int o = 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+                __syncwarp();
+                if ((tid & 3) == 0) {
+                    const float c = none ? 1.0f : exp2f(mo - mn);
+                    scorr[row] = c;
+                    ssum[row] = ssum[row] * c + ps;
+                    smax[row] = mn;
+                }
+            }
+            __syncthreads();
+            const float c0 = scorr[tw * 16 + g], c1 = scorr[tw * 16 + g + 8];
+#pragma unroll
+            for (int q = 0; q < MLA_D4NT; q++) {
+                acc[q][0] *= c0;
+                acc[q][1] *= c0;
+                acc[q][2] *= c1;
+                acc[q][3] *= c1;
+            }
+#pragma unroll
+            for (int kk = 0; kk < MLA_DT; kk += 16) {
+                u32 ap[4];
+                ldsm_x4(ap[0], ap[1], ap[2], ap[3], &sp[tw * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+                for (int q = 0; q < MLA_D4NT; q += 2) {
+                    if (q * 8 >= rh) break;  // warp-uniform
+                    u32 bv[4];
+                    ldsm_x4_t(bv[0], bv[1], bv[2], bv[3],
+                              &sk[buf][kk + (lane & 7) + ((lane >> 3) & 1) * 8][kh * rh + q * 8 + (lane >> 4) * 8]);
+                    mma_bf16_16816(acc[q], ap, bv[0], bv[1]);
+                    mma_bf16_16816(acc[q + 1], ap, bv[2], bv[3]);
+                }
+            }
+        }
+        cp_async_wait_all();
+        if (tw >= a && tw < b) {
+#pragma unroll
+            for (int q = 0; q < MLA_D4NT; q++) {
+                if (q * 8 >= rh) break;
+                const int c = kh * rh + q * 8 + 2 * tq;
+#pragma unroll
+                for (int hi = 0; hi < 2; hi++) {
+                    const int h = hb + g + hi * 8;
+                    if (h < heads) {
+                        const long row = ((long)(tb + tw) * heads + h) * splits + s;
+                        *reinterpret_cast<float2*>(part_o + row * r + c) =
+                            make_float2(acc[q][2 * hi], acc[q][2 * hi + 1]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (tid < MLA_D4ROWS) {
+            const int ts = tid >> 4, h = hb + (tid & 15);
+            if (ts >= a && ts < b && h < heads) {
+                const long row = ((long)(tb + ts) * heads + h) * splits + s;
+                part_ml[row * 2] = smax[tid];
+                part_ml[row * 2 + 1] = ssum[tid];
+            }
+        }
+        __syncthreads();  // the next run resets the row state
+        a = b;
+    }
+}
+
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----
 //
 // Block (cluster rank b, head h, token t): the C blocks of a cluster (grid (C, H, n), cluster

@@ -357,6 +357,9 @@ mod gpu {
             let mma_off = cuda_set(act, |o| o.mla_mma = false);
             let absorb_off = cuda_set(act, |o| o.absorb_mma = false);
             let decode_off = cuda_set(act, |o| o.decode_mma = false);
+            // the prompt variant (4 tokens a block) is the default for the prefill's 368 tokens
+            // of 3 sequences (its first block spanning two of them); without it, a token a block
+            let decode1 = cuda_set(act, |o| o.decode_mma4 = false);
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
                 let c = mla_case_of(&mut rng, dims);
@@ -386,6 +389,7 @@ mod gpu {
                         (&mma_off, "V up-projection without tensor cores"),
                         (&absorb_off, "absorption without tensor cores"),
                         (&decode_off, "attention without tensor cores"),
+                        (&decode1, "attention 1 token a block"),
                     ] {
                         let g = run_mla(b, c, MlaPath::Absorbed);
                         for (i, what) in ["prefill", "decode"].iter().enumerate() {

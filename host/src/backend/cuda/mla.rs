@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use super::device::DevMem;
-use super::module::{MLA_DECODE_MMA_SMEM, MLA_DECODE_THREADS, ROWMMA_ROWS, ROWMMA_THREADS};
+use super::module::{
+    MLA_DECODE4_SMEM, MLA_DECODE_MMA_SMEM, MLA_DECODE_THREADS, ROWMMA_ROWS, ROWMMA_THREADS,
+};
 use super::ops::{check, launch};
 use super::queue::Op;
 use super::step::CudaStep;
@@ -39,6 +41,8 @@ const MERGE_THREADS: u32 = 128;
 const ABSORB_COLS: usize = 64;
 const ABSORB_TOKENS: usize = 64;
 const ABSORB_MAX_NOPE: usize = 128;
+/// Tokens a block of the tensor-core attention for prompts (`MLA_D4T`).
+const DECODE4_TOKENS: usize = 4;
 /// Blocks the decode kernel aims to launch (two waves of 132 SMs).
 const TARGET_BLOCKS: usize = 264;
 
@@ -550,15 +554,29 @@ pub(crate) fn attention(
         ],
     );
     let groups = heads.div_ceil(MLA_HEADS);
-    let splits = splits_for(n * groups, step.max_ctx);
-    let part_o = inner.scratch(n * heads * splits * r, 4)?;
-    let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
     let decode_mma = mma_step
         && inner.opts.decode_mma
         && r.is_multiple_of(128)
         && width.is_multiple_of(32)
         && MLA_DECODE_MMA_SMEM <= inner.module.max_smem;
-    let (kernel, threads, smem) = if decode_mma {
+    // sequences of DECODE4_TOKENS tokens or more on average (prompts): a block of that many
+    // tokens shares each key tile
+    let four = decode_mma
+        && inner.opts.decode_mma4
+        && n >= DECODE4_TOKENS * step.n_seqs
+        && r <= 512
+        && MLA_DECODE4_SMEM <= inner.module.max_smem;
+    let blocks = if four { n.div_ceil(DECODE4_TOKENS) } else { n };
+    let splits = splits_for(blocks * groups, step.max_ctx);
+    let part_o = inner.scratch(n * heads * splits * r, 4)?;
+    let part_ml = inner.scratch(n * heads * splits * 2, 4)?;
+    let (kernel, threads, smem) = if four {
+        (
+            inner.module.mla_mma[4],
+            MLA_DECODE_THREADS,
+            MLA_DECODE4_SMEM as u32,
+        )
+    } else if decode_mma {
         (
             inner.module.mla_mma[3],
             MLA_DECODE_THREADS,
@@ -569,27 +587,31 @@ pub(crate) fn attention(
     } else {
         (k.mla_decode, 256, 0)
     };
+    let mut args = vec![
+        part_o.ptr(),
+        part_ml.ptr(),
+        qf.ptr(),
+        cache,
+        step.tok_seq(),
+        step.positions(),
+        step.tables(),
+        step.width as u64,
+        step.block_size as u64,
+        heads as u64,
+        r as u64,
+        dr as u64,
+        f(p.scale * std::f32::consts::LOG2_E),
+        splits as u64,
+    ];
+    if four {
+        args.push(n as u64);
+    }
     inner.push(Op::Launch {
         kernel,
-        grid: [n as u32, groups as u32, splits as u32],
+        grid: [blocks as u32, groups as u32, splits as u32],
         block: threads,
         smem,
-        args: vec![
-            part_o.ptr(),
-            part_ml.ptr(),
-            qf.ptr(),
-            cache,
-            step.tok_seq(),
-            step.positions(),
-            step.tables(),
-            step.width as u64,
-            step.block_size as u64,
-            heads as u64,
-            r as u64,
-            dr as u64,
-            f(p.scale * std::f32::consts::LOG2_E),
-            splits as u64,
-        ],
+        args,
     });
     if bf16_mma && r.is_multiple_of(8) {
         // the merged latent outputs in bf16, then every token's V rows on tensor cores

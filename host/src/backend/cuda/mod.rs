@@ -174,6 +174,10 @@ pub struct CudaOptions {
     /// dimension, 32-key tiles) instead of `mla_decode2`; `DEEPINFER_CUDA_DECODE_MMA=0` turns
     /// it off (as does `DEEPINFER_CUDA_MLA_MMA=0`).
     pub decode_mma: bool,
+    /// Steps whose sequences run 4 tokens or more on average (prompts) take that attention
+    /// with 4 tokens a block (`mla_decode_mma4`: 64 rows share each key tile, so a prompt's
+    /// latent rows are read a quarter as often); `DEEPINFER_CUDA_DECODE_MMA4=0` turns it off.
+    pub decode_mma4: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -324,6 +328,7 @@ impl Default for CudaOptions {
             moe_gemm: true,
             moe_gemm_min: 4,
             decode_mma: true,
+            decode_mma4: true,
         }
     }
 }
@@ -403,6 +408,7 @@ impl CudaOptions {
             })?;
         }
         o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
+        o.decode_mma4 = !off("DEEPINFER_CUDA_DECODE_MMA4");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

@@ -428,6 +428,9 @@ pub const ROWMMA_THREADS: u32 = 128;
 pub const MLA_DECODE_THREADS: u32 = 256;
 pub const MLA_DECODE_KEYS: usize = 32;
 pub const MLA_DECODE_MMA_SMEM: usize = (2 * MLA_DECODE_KEYS + 16) * (576 + 8) * 2;
+/// ... and of its prompt variant (`mla_decode_mma4`, `MLA_D4SMEM`): two key tiles and the
+/// queries of 4 tokens' 16 heads.
+pub const MLA_DECODE4_SMEM: usize = (2 * MLA_DECODE_KEYS + 64) * (576 + 8) * 2;
 /// The tiled grouped expert GEMMs (`moe_gu_gemm` / `moe_dn_gemm` in `kernels/moe.cu`): weight
 /// rows and assignments a tile, k a stage (`MOEG_TM`, `MOEG_TN`, `MOEG_TK`), threads a block.
 pub const MOE_GEMM_ROWS: usize = 128;
@@ -470,8 +473,9 @@ pub struct Module {
     /// (prefill): gate/up with SwiGLU, and down.
     pub moe_gemm: [KernelId; 2],
     /// MLA on tensor cores (bf16): the split merge into bf16 latents, the V up-projection,
-    /// the query absorption with the rope queries and cache rows, and the split-KV decode.
-    pub mla_mma: [KernelId; 4],
+    /// the query absorption with the rope queries and cache rows, the split-KV decode, and its
+    /// variant of 4 tokens a block.
+    pub mla_mma: [KernelId; 5],
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
     /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
@@ -700,6 +704,7 @@ impl Module {
             get("mla_v_mma".into())?,
             get("mla_q_absorb_mma".into())?,
             get("mla_decode_mma".into())?,
+            get("mla_decode_mma4".into())?,
         ];
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
@@ -730,6 +735,7 @@ impl Module {
             .chain(gemt_bytes)
             .chain([
                 (mla_mma[3], MLA_DECODE_MMA_SMEM),
+                (mla_mma[4], MLA_DECODE4_SMEM),
                 (moe_gemm[0], moe_gemm_smem(2)),
                 (moe_gemm[1], moe_gemm_smem(1)),
             ])
@@ -912,6 +918,7 @@ mod tests {
             "mla_v_mma",
             "mla_q_absorb_mma",
             "mla_decode_mma",
+            "mla_decode_mma4",
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",
