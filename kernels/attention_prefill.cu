@@ -359,6 +359,147 @@ __device__ __forceinline__ void store2(bf16_t* p, long i, float a, float b) {
     *reinterpret_cast<u32*>(p + i) = pack_bf16x2(a, b);
 }
 
+// One 64-key tile of the wide kernel for this warp's MT x 16 query rows (Q staged in shared
+// memory as rows of DK values, the warp's from row `wrow`; the tile's K rows of DK values and
+// V rows of DV values): S = Q K^T on the tensor cores, the causal and window mask where
+// `masked` (this thread's first row is at position qrow0), the online softmax in base 2 with O
+// rescaled only when some row's maximum moved, then O += P V with P re-packed from S.
+template <int DK, int DV, int MT>
+__device__ __forceinline__ void fw_tile(float (&o)[MT][DV / 8][4], float (&mrow)[MT][2], float (&lrow)[MT][2],
+                                        const bf16_t* sq, const bf16_t* sk, const bf16_t* sv, int wrow, int kt,
+                                        int qrow0, int window, float scale_log2, bool masked) {
+    const int lane = threadIdx.x & 31;
+    float s[MT][FW_BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < FW_BN / 8; i++) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; kk++) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
+                    &sq[swz<DK>(wrow + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
+        }
+#pragma unroll
+        for (int np = 0; np < FW_BN / 16; np++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4(b0, b1, b2, b3,
+                    &sk[swz<DK>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(s[mt][2 * np], a[mt], b0, b1);
+                mma_bf16_16816(s[mt][2 * np + 1], a[mt], b2, b3);
+            }
+        }
+    }
+    if (masked) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    const int qp = qrow0 + mt * 16 + (e >> 1) * 8;
+                    const bool ok = key <= qp && (window <= 0 || key > qp - window);
+                    if (!ok) s[mt][nt][e] = NEG_INF;
+                }
+            }
+        }
+    }
+    float corr[MT][2];
+    bool moved = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int rh = 0; rh < 2; rh++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * rh], s[mt][nt][2 * rh + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mnew = fmaxf(mrow[mt][rh], mx * scale_log2);
+            const float muse = mnew == NEG_INF ? 0.0f : mnew;
+            corr[mt][rh] = fast_exp2(mrow[mt][rh] - muse);
+            moved |= corr[mt][rh] != 1.0f;
+            mrow[mt][rh] = mnew;
+            float rs = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < FW_BN / 8; nt++) {
+                const float p0 = fast_exp2(fmaf(s[mt][nt][2 * rh], scale_log2, -muse));
+                const float p1 = fast_exp2(fmaf(s[mt][nt][2 * rh + 1], scale_log2, -muse));
+                s[mt][nt][2 * rh] = p0;
+                s[mt][nt][2 * rh + 1] = p1;
+                rs += p0 + p1;
+            }
+            lrow[mt][rh] = lrow[mt][rh] * corr[mt][rh] + rs;
+        }
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int dt = 0; dt < DV / 8; dt++) {
+                o[mt][dt][0] *= corr[mt][0];
+                o[mt][dt][1] *= corr[mt][0];
+                o[mt][dt][2] *= corr[mt][1];
+                o[mt][dt][3] *= corr[mt][1];
+            }
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < FW_BN / 16; kk++) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < DV / 16; dp++) {
+            u32 b0, b1, b2, b3;
+            ldsm_x4_t(b0, b1, b2, b3,
+                      &sv[swz<DV>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(o[mt][2 * dp], a[mt], b0, b1);
+                mma_bf16_16816(o[mt][2 * dp + 1], a[mt], b2, b3);
+            }
+        }
+    }
+}
+
+// Normalizes the warp's MT x 16 rows (from row `wrow` of the block's queries, which start at
+// step row row0) and writes those below qn to out, rows of n_heads heads of DV values.
+template <typename T, int DV, int MT>
+__device__ __forceinline__ void fw_store(T* out, const float (&o)[MT][DV / 8][4], const float (&lrow)[MT][2],
+                                         int row0, int wrow, int qn, int n_heads, int h) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int rh = 0; rh < 2; rh++) {
+            float l = lrow[mt][rh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int row = wrow + mt * 16 + (lane >> 2) + rh * 8;
+            if (row < qn) {
+                const long base = ((long)(row0 + row) * n_heads + h) * DV;
+#pragma unroll
+                for (int dt = 0; dt < DV / 8; dt++) {
+                    store2(out, base + dt * 8 + 2 * (lane & 3), o[mt][dt][2 * rh] * inv, o[mt][dt][2 * rh + 1] * inv);
+                }
+            }
+        }
+    }
+}
+
 template <typename T, int D, int STAGES, int NW, int MT>
 __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, const bf16_t* vc, const int* tiles,
                                        int n_tiles, const int* seq_start, const int* seq_len, const int* seq_pos,
@@ -446,130 +587,11 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
         if (!active || skip) continue;
         const bool masked = kt + FW_BN - 1 > wfirst || (window > 0 && kt <= wlast - window);
 
-        float s[MT][FW_BN / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-            for (int i = 0; i < FW_BN / 8; i++) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3],
-                        &sq[swz<D>(warp * WR + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)]);
-            }
-#pragma unroll
-            for (int np = 0; np < FW_BN / 16; np++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4(b0, b1, b2, b3,
-                        &sk[swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + (((lane >> 3) & 1) << 3))]);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16_16816(s[mt][2 * np], a[mt], b0, b1);
-                    mma_bf16_16816(s[mt][2 * np + 1], a[mt], b2, b3);
-                }
-            }
-        }
-        if (masked) {
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int nt = 0; nt < FW_BN / 8; nt++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int key = kt + nt * 8 + 2 * (lane & 3) + (e & 1);
-                        const int qp = qrow0 + mt * 16 + (e >> 1) * 8;
-                        const bool ok = key <= qp && (window <= 0 || key > qp - window);
-                        if (!ok) s[mt][nt][e] = NEG_INF;
-                    }
-                }
-            }
-        }
-        float corr[MT][2];
-        bool moved = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-            for (int rh = 0; rh < 2; rh++) {
-                float mx = NEG_INF;
-#pragma unroll
-                for (int nt = 0; nt < FW_BN / 8; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * rh], s[mt][nt][2 * rh + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float mnew = fmaxf(mrow[mt][rh], mx * scale_log2);
-                const float muse = mnew == NEG_INF ? 0.0f : mnew;
-                corr[mt][rh] = fast_exp2(mrow[mt][rh] - muse);
-                moved |= corr[mt][rh] != 1.0f;
-                mrow[mt][rh] = mnew;
-                float rs = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < FW_BN / 8; nt++) {
-                    const float p0 = fast_exp2(fmaf(s[mt][nt][2 * rh], scale_log2, -muse));
-                    const float p1 = fast_exp2(fmaf(s[mt][nt][2 * rh + 1], scale_log2, -muse));
-                    s[mt][nt][2 * rh] = p0;
-                    s[mt][nt][2 * rh + 1] = p1;
-                    rs += p0 + p1;
-                }
-                lrow[mt][rh] = lrow[mt][rh] * corr[mt][rh] + rs;
-            }
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int dt = 0; dt < D / 8; dt++) {
-                    o[mt][dt][0] *= corr[mt][0];
-                    o[mt][dt][1] *= corr[mt][0];
-                    o[mt][dt][2] *= corr[mt][1];
-                    o[mt][dt][3] *= corr[mt][1];
-                }
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FW_BN / 16; kk++) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                a[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                a[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                a[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                a[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < D / 16; dp++) {
-                u32 b0, b1, b2, b3;
-                ldsm_x4_t(b0, b1, b2, b3,
-                          &sv[swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 16 + ((lane >> 4) << 3))]);
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-                    mma_bf16_16816(o[mt][2 * dp], a[mt], b0, b1);
-                    mma_bf16_16816(o[mt][2 * dp + 1], a[mt], b2, b3);
-                }
-            }
-        }
+        fw_tile<D, D, MT>(o, mrow, lrow, sq, sk, sv, warp * WR, kt, qrow0, window, scale_log2, masked);
     }
     asm volatile("cp.async.wait_group 0;");
 
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-        for (int rh = 0; rh < 2; rh++) {
-            float l = lrow[mt][rh];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            const int row = warp * WR + mt * 16 + (lane >> 2) + rh * 8;
-            if (row < qn) {
-                const long base = ((long)(start + q0 + row) * n_heads + h) * D;
-#pragma unroll
-                for (int dt = 0; dt < D / 8; dt++) {
-                    store2(out, base + dt * 8 + 2 * (lane & 3), o[mt][dt][2 * rh] * inv, o[mt][dt][2 * rh + 1] * inv);
-                }
-            }
-        }
-    }
+    fw_store<T, D, MT>(out, o, lrow, start + q0, warp * WR, qn, n_heads, h);
 }
 
 #define PREFILL_WIDE_WRAPPER(NAME, STAGES, NW, MT, MINB, T, S, D)                                                  \

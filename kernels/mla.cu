@@ -71,15 +71,18 @@ __device__ void mla_cache_row(T* cache, const T* kva, const float* gain, const f
 __device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
 __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
 
-// The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf;
-// with `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
+// The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf
+// (rows of q_stride values, the rope part from value q_off: the absorbed forms' f32 rows, or the
+// query rows themselves for the expanded form, each pair read and written by one thread); with
+// `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
 // other heads' blocks return). The rotation's sines and cosines (positions and frequencies are
 // the step's inputs, uploaded before its kernels) are computed before the programmatic wait,
 // once per pair. A whole block of at least 8 warps.
-template <typename T>
-__device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, int r, T* cache, const T* kva,
+template <typename T, typename QT>
+__device__ void mla_q_rope(QT* qf, const T* q, int heads, int nope, int dr, int r, T* cache, const T* kva,
                            const float* gain, const float* inv_freq, const long* slots, const int* positions,
-                           float eps, float rs, int interleaved, int h, int t0, int nt, bool rows) {
+                           float eps, float rs, int interleaved, int h, int t0, int nt, bool rows, int q_stride,
+                           int q_off) {
     const int W = r + dr, qk = nope + dr;
     __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
     const int half = dr / 2;
@@ -102,10 +105,10 @@ __device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, i
             const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
             const T* qh = q + ((long)t * heads + h) * qk + nope;
             const float x = act_load(qh, a), y = act_load(qh, b);
-            float* o = qf + ((long)t * heads + h) * W + r;
+            QT* o = qf + ((long)t * heads + h) * q_stride + q_off;
             const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
-            o[a] = v.x;
-            o[b] = v.y;
+            act_store(o, a, v.x);
+            act_store(o, b, v.y);
         }
         return;
     }
@@ -163,8 +166,8 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
     const int c = blockIdx.z * 64 + cl;
     const int zr = (r + 63) / 64;  // the rope block; V2: zr + 1 writes the cache rows
     if (V2 && (int)blockIdx.z >= zr) {
-        mla_q_rope<T>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs, interleaved,
-                      h, t0, nt, (int)blockIdx.z > zr);
+        mla_q_rope<T, float>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                             interleaved, h, t0, nt, (int)blockIdx.z > zr, W, r);
         return;
     }
     // This thread's weights (rows jg, jg + 4, ... of column c) are no earlier kernel's
@@ -730,8 +733,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_q_absorb_mma(
         const int y = (int)blockIdx.y - zr, t0 = (y % (MLA_QT / 8)) * 8;
         const bool rows = y >= MLA_QT / 8;
         if ((rows && h != 0) || t0 >= nt) return;
-        mla_q_rope<bf16_t>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
-                           interleaved, h, tb + t0, min(8, nt - t0), rows);
+        mla_q_rope<bf16_t, float>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                                  interleaved, h, tb + t0, min(8, nt - t0), rows, r + dr, r);
         return;
     }
     __shared__ __align__(16) bf16_t ws[MLA_QMAXNOPE][MLA_QC + 8];
@@ -1874,4 +1877,145 @@ extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_layer1_bf16(
     mla_dec1_impl<bf16_t, bf16_t, true>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,
                                         table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved,
                                         scale_log2, L);
+}
+
+// ---- Prompts in the expanded form (mla_x_*) ----
+//
+// A (query, key) pair costs (nope + rope) + v values a head in the expanded form against
+// (latent + rope) + latent in the absorbed one (320 against 1,088 for DeepSeek-V3's heads), at
+// the price of expanding every context row through kv_b once, which costs what the absorption
+// and the V up-projection of a token cost. So a prompt (or a long chunk of one) runs:
+//   mla_x_rope    the queries' rope parts rotated in place (grid z 0) and the cache rows
+//                 (z 1), as the absorption kernels write them;
+//   mla_x_gather  the context rows of every sequence of the step copied out of the paged cache,
+//                 latents and rope keys apart (the rows of sequence s from ctx_start[s]);
+//   (cuBLAS)      the latents through kv_b: per context row and head, nope K values then v V
+//                 values (bf16);
+//   mla_x_attn    the wide flash-attention kernel of attention_prefill.cu (fw_tile) over K rows
+//                 of nope values from the expansion and the rope key every head shares, and V
+//                 rows from the expansion; the output is the layer's [tokens, heads, v].
+// DeepSeek-V3's head shape only (nope 128, rope 64, v 128; MLX_*).
+#define MLX_NOPE 128
+#define MLX_DR 64
+#define MLX_DK (MLX_NOPE + MLX_DR)
+#define MLX_DV 128
+#define MLX_STAGES 2
+#define MLX_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(256) mla_x_rope(bf16_t* q, bf16_t* cache, const bf16_t* kva,
+                                                             const float* gain, const float* inv_freq,
+                                                             const long* slots, const int* positions, int n, int heads,
+                                                             int nope, int dr, int r, float eps, float rs,
+                                                             int interleaved) {
+    pdl_launch_dependents();
+    const int t0 = blockIdx.y * 8;
+    mla_q_rope<bf16_t, bf16_t>(q, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                               interleaved, blockIdx.x, t0, min(8, n - t0), blockIdx.z == 1, nope + dr, nope);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mla_x_gather(bf16_t* lat, bf16_t* kr, const bf16_t* cache,
+                                                               const int* ctx_start, int n_seqs, int n_ctx,
+                                                               const int* tables, int table_width, int block_size,
+                                                               int r, int dr) {
+    PDL_ENTRY();
+    const int W = r + dr, cw = W / 8;
+    for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < (long)n_ctx * cw; e += (long)gridDim.x * blockDim.x) {
+        const int row = (int)(e / cw), c = (int)(e % cw) * 8;
+        // the row's sequence: the last whose context starts at or before it
+        int lo = 0, hi = n_seqs - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (ctx_start[mid] <= row) lo = mid;
+            else hi = mid - 1;
+        }
+        const int j = row - ctx_start[lo];
+        const long slot = (long)tables[(long)lo * table_width + j / block_size] * block_size + j % block_size;
+        const uint4 v = *reinterpret_cast<const uint4*>(cache + slot * W + c);
+        if (c < r) *reinterpret_cast<uint4*>(lat + (long)row * r + c) = v;
+        else *reinterpret_cast<uint4*>(kr + (long)row * dr + (c - r)) = v;
+    }
+}
+
+// Block (head, work item): 128 queries of one sequence as attn_prefill3 takes them (4 warps of
+// 32 rows; items starting at an odd multiple of 64 leave at once), keys in 64-row tiles through
+// MLX_STAGES cp.async buffers. kvx rows: heads x (nope K values, v V values) a context row.
+extern "C" __global__ void __launch_bounds__(MLX_THREADS, 1) mla_x_attn(
+    bf16_t* out, const bf16_t* q, const bf16_t* kvx, const bf16_t* kr, const int* tiles, int n_tiles,
+    const int* seq_start, const int* seq_len, const int* seq_pos, const int* ctx_start, int heads, float scale_log2) {
+    PDL_ENTRY();
+    constexpr int DK = MLX_DK, DV = MLX_DV, MT = 2, WR = 16 * MT, CK = DK / 8, CV = DV / 8;
+    constexpr int STAGE = FW_BN * (DK + DV);
+    static_assert(MLX_THREADS / 32 * WR == FW_BM, "warps x rows must cover the query tile");
+    extern __shared__ __align__(16) bf16_t mlx_smem[];
+    bf16_t* sq = mlx_smem;
+    bf16_t* skv = mlx_smem + FW_BM * DK;
+    const int tile = n_tiles - 1 - blockIdx.y;
+    const int si = tiles[2 * tile], q0 = tiles[2 * tile + 1];
+    if (q0 % FW_BM != 0) return;
+    const int h = blockIdx.x;
+    const int start = seq_start[si], len = seq_len[si], pos = seq_pos[si];
+    const long c0 = ctx_start[si];
+    const int qn = min(FW_BM, len - q0);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int qfirst = pos + q0, qlast = pos + q0 + qn - 1;
+    const int n_kt = qlast / FW_BN + 1;
+    const long kvw = (long)heads * (MLX_NOPE + DV);  // a context row of kvx
+    const bf16_t* kvh = kvx + (long)h * (MLX_NOPE + DV);
+
+    auto issue = [&](int it) {
+        if (it < n_kt) {
+            const int kt = it * FW_BN;
+            bf16_t* sk = skv + (it % MLX_STAGES) * STAGE;
+            bf16_t* sv = sk + FW_BN * DK;
+#pragma unroll
+            for (int e = tid; e < FW_BN * CK; e += MLX_THREADS) {
+                const int rr = e / CK, c = (e % CK) * 8, j = kt + rr;
+                const bool ok = j <= qlast;
+                const long row = c0 + (ok ? j : 0);
+                const bf16_t* src = c < MLX_NOPE ? kvh + row * kvw + c : kr + row * MLX_DR + (c - MLX_NOPE);
+                cp_async16(&sk[swz<DK>(rr, c)], src, ok);
+            }
+#pragma unroll
+            for (int e = tid; e < FW_BN * CV; e += MLX_THREADS) {
+                const int rr = e / CV, c = (e % CV) * 8, j = kt + rr;
+                const bool ok = j <= qlast;
+                const long row = c0 + (ok ? j : 0);
+                cp_async16(&sv[swz<DV>(rr, c)], kvh + row * kvw + MLX_NOPE + c, ok);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+#pragma unroll
+    for (int s = 0; s < MLX_STAGES - 1; s++) issue(s);
+    for (int e = tid; e < FW_BM * CK; e += MLX_THREADS) {
+        const int rr = e / CK, c = (e % CK) * 8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (rr < qn) val = *reinterpret_cast<const uint4*>(q + ((long)(start + q0 + rr) * heads + h) * DK + c);
+        *reinterpret_cast<uint4*>(&sq[swz<DK>(rr, c)]) = val;
+    }
+    float o[MT][DV / 8][4];
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < DV / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+        mrow[mt][0] = mrow[mt][1] = NEG_INF;
+        lrow[mt][0] = lrow[mt][1] = 0.0f;
+    }
+    const int qrow0 = qfirst + warp * WR + (lane >> 2);
+    const int wfirst = qfirst + warp * WR, wlast = min(wfirst + WR - 1, qlast);
+    const bool active = warp * WR < qn;
+    for (int it = 0; it < n_kt; it++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(MLX_STAGES - 2));
+        __syncthreads();
+        issue(it + MLX_STAGES - 1);
+        const int kt = it * FW_BN;
+        const bf16_t* sk = skv + (it % MLX_STAGES) * STAGE;
+        if (!active || kt > wlast) continue;
+        fw_tile<DK, DV, MT>(o, mrow, lrow, sq, sk, sk + FW_BN * DK, warp * WR, kt, qrow0, 0, scale_log2,
+                            kt + FW_BN - 1 > wfirst);
+    }
+    asm volatile("cp.async.wait_group 0;");
+    fw_store<bf16_t, DV, MT>(out, o, lrow, start + q0, warp * WR, qn, heads, h);
 }

@@ -271,7 +271,12 @@ mod gpu {
         for (l, t) in lens.iter().zip(&tables) {
             dec.push(&[2], *l, t.clone(), true);
         }
-        for b in [pre, dec] {
+        // then a chunk of 5 tokens a sequence after its cached ones (a prompt's later chunk)
+        let mut chunk = Batch::default();
+        for (l, t) in lens.iter().zip(&tables) {
+            chunk.push(&[3; 5], *l + 1, t.clone(), true);
+        }
+        for b in [pre, dec, chunk] {
             let n = b.n_tokens();
             let q = rng.vec(n * dims.q_width(), 1.0);
             let kva = rng.vec(n * w, 1.0);
@@ -382,17 +387,26 @@ mod gpu {
                     let a = run_mla(&cpu, c, MlaPath::Absorbed);
                     let e = run_mla(&cpu, c, MlaPath::Expanded);
                     let tol = if act == Act::F32 { 1e-4 } else { 3e-2 };
-                    for (b, which) in [
-                        (&be, "ds2"),
-                        (&old, "earlier kernels"),
-                        (&unfused, "not fused"),
-                        (&mma_off, "V up-projection without tensor cores"),
-                        (&absorb_off, "absorption without tensor cores"),
-                        (&decode_off, "attention without tensor cores"),
-                        (&decode1, "attention 1 token a block"),
-                    ] {
-                        let g = run_mla(b, c, MlaPath::Absorbed);
-                        for (i, what) in ["prefill", "decode"].iter().enumerate() {
+                    let absorbed = MlaPath::Absorbed;
+                    let mut runs = vec![
+                        (&be, absorbed, "ds2"),
+                        (&old, absorbed, "earlier kernels"),
+                        (&unfused, absorbed, "not fused"),
+                        (&mma_off, absorbed, "V up-projection without tensor cores"),
+                        (&absorb_off, absorbed, "absorption without tensor cores"),
+                        (&decode_off, absorbed, "attention without tensor cores"),
+                        (&decode1, absorbed, "attention 1 token a block"),
+                        // the model's choice: the expanded form for the bf16 prefill of
+                        // Moonlight's heads (every context row new), the absorbed one elsewhere
+                        (&be, MlaPath::Auto, "form by cost"),
+                    ];
+                    if act == Act::Bf16 && *kvb == "bf16 kv_b" && dims.nope == 128 {
+                        // the expanded form for every step: the chunk's gathers its cached rows
+                        runs.push((&be, MlaPath::Expanded, "expanded form"));
+                    }
+                    for (b, path, which) in runs {
+                        let g = run_mla(b, c, path);
+                        for (i, what) in ["prefill", "decode", "chunk"].iter().enumerate() {
                             let width = heads * c.p.dims.v;
                             let (eg, ee) =
                                 (max_err(&g[i], &a[i], width), max_err(&g[i], &e[i], width));
@@ -407,7 +421,8 @@ mod gpu {
                     }
                 }
             }
-            // the expanded form is CPU-only: asking CUDA for it is an error, not a wrong answer
+            // the expanded form on CUDA takes DeepSeek-V3's head shape only: asking it of another
+            // is an error, not a wrong answer
             let c = mla_case(&mut rng, 3, 16);
             let d = c.p.dims;
             let mut kv = be.new_mla_kv(1, 64, 8, d.latent + d.rope).unwrap();

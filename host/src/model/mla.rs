@@ -42,6 +42,21 @@ impl MlaDims {
     fn kvb_rows(&self) -> usize {
         self.nope + self.v
     }
+
+    /// Whether a step of `tokens` new tokens over `ctx_rows` context rows in all (cached and
+    /// new) with `pairs` causal (query, key) pairs costs fewer multiply-adds in the expanded
+    /// form than in the absorbed one. The expanded form projects every context row through
+    /// `kv_b` (latent × heads × (nope + v)), where the absorbed form projects each new token's
+    /// query and output through the same rows; a pair and head then takes (nope + rope) + v
+    /// values instead of (latent + rope) + latent. So a fresh prompt (every context row new)
+    /// always pays, a decode step over a long context never does.
+    pub fn expanded_pays(&self, ctx_rows: usize, tokens: usize, pairs: u64) -> bool {
+        let row = (self.latent * self.heads * self.kvb_rows()) as u128;
+        let absorbed = (2 * self.latent + self.rope) as u128;
+        let expanded = (self.nope + self.rope + self.v) as u128;
+        let saved = absorbed.saturating_sub(expanded) * self.heads as u128;
+        (ctx_rows.saturating_sub(tokens) as u128) * row < pairs as u128 * saved
+    }
 }
 
 /// Everything an MLA attention operation needs besides its buffers and weights.
@@ -467,5 +482,31 @@ mod tests {
         rotate(&mut v, 1, &[std::f32::consts::FRAC_PI_2, 0.0], 1.0, true);
         assert!((v[0]).abs() < 1e-6 && (v[1] - 1.0).abs() < 1e-6, "{v:?}");
         assert!((v[2]).abs() < 1e-6 && (v[3] - 1.0).abs() < 1e-6, "{v:?}");
+    }
+
+    #[test]
+    fn the_expanded_form_pays_for_prompts_not_for_decode_steps() {
+        // DeepSeek-V3's heads: 16 of nope 128, rope 64, v 128 over a latent of 512
+        let d = MlaDims {
+            heads: 16,
+            nope: 128,
+            rope: 64,
+            v: 128,
+            latent: 512,
+        };
+        let pairs = |runs: &[(u64, u64)]| {
+            runs.iter()
+                .map(|&(pos, len)| len * pos + len * (len + 1) / 2)
+                .sum::<u64>()
+        };
+        // a fresh prompt: nothing to expand beyond its own tokens
+        assert!(d.expanded_pays(2048, 2048, pairs(&[(0, 2048)])));
+        assert!(d.expanded_pays(2, 2, pairs(&[(0, 2)])));
+        // 64 decode tokens over contexts of 128: every cached row would be expanded for one query
+        assert!(!d.expanded_pays(64 * 129, 64, pairs(&[(128, 1); 64])));
+        // a 512-token chunk after 1,536 cached tokens: the pairs outweigh the history's expansion
+        assert!(d.expanded_pays(2048, 512, pairs(&[(1536, 512)])));
+        // 8 new tokens after 4,096: they do not
+        assert!(!d.expanded_pays(4104, 8, pairs(&[(4096, 8)])));
     }
 }

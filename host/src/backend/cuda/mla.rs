@@ -10,9 +10,11 @@
 
 use std::sync::Arc;
 
+use super::blas::{Gemm, GemmType};
 use super::device::DevMem;
 use super::module::{
-    MLA_DECODE4_SMEM, MLA_DECODE_MMA_SMEM, MLA_DECODE_THREADS, ROWMMA_ROWS, ROWMMA_THREADS,
+    MLA_DECODE4_SMEM, MLA_DECODE_MMA_SMEM, MLA_DECODE_THREADS, MLA_X_SMEM, ROWMMA_ROWS,
+    ROWMMA_THREADS,
 };
 use super::ops::{check, launch};
 use super::queue::Op;
@@ -387,12 +389,6 @@ pub(crate) fn attention(
     if n == 0 {
         return Ok(());
     }
-    if p.path == MlaPath::Expanded {
-        return Err(Error::BadConfig(
-            "the CUDA backend runs MLA in the absorbed form only (MlaPath::Expanded is CPU-only)"
-                .into(),
-        ));
-    }
     let d = p.dims;
     let (r, dr, heads) = (d.latent, d.rope, d.heads);
     let width = r + dr;
@@ -451,6 +447,28 @@ pub(crate) fn attention(
         inner.drop_zeroing(out.ptr(), out.len * inner.act().size());
     }
     let f = |v: f32| v.to_bits() as u64;
+    let expand = match p.path {
+        MlaPath::Absorbed => false,
+        MlaPath::Expanded if !expanded_fits(inner, step, p, wi) => {
+            return Err(Error::BadConfig(format!(
+                "MLA's expanded form on CUDA takes bf16 activations and kv_b, heads of {X_NOPE} nope, {X_ROPE} rope and {X_V} V values and a positive scale (asked: {:?} activations, nope {}, rope {dr}, v {}, scale {})",
+                inner.act(),
+                d.nope,
+                d.v,
+                p.scale
+            )))
+        }
+        MlaPath::Expanded => true,
+        MlaPath::Auto => {
+            inner.opts.mla_expand
+                && n > MMA_MIN_TOKENS
+                && expanded_fits(inner, step, p, wi)
+                && d.expanded_pays(step.ctx_rows, n, step.pairs)
+        }
+    };
+    if expand {
+        return expanded(inner, step, cache, p, w, q, kva, out);
+    }
     if let Some(c) = fused_cluster(inner, step, p) {
         let layer = fold_qkv(inner, step, p, w, q, kva, c)?;
         let mut args = vec![
@@ -674,6 +692,134 @@ pub(crate) fn attention(
             splits as u64,
         ],
     );
+    Ok(())
+}
+
+/// The head shape the expanded-form kernels take (`MLX_NOPE`, `MLX_DR`, `MLX_DV`:
+/// DeepSeek-V3's, which its successors keep).
+const X_NOPE: usize = 128;
+const X_ROPE: usize = 64;
+const X_V: usize = 128;
+/// Threads of a `mla_x_attn` block (`MLX_THREADS`) and of the gather's; most gather blocks.
+const X_THREADS: u32 = 128;
+const GATHER_THREADS: usize = 256;
+const GATHER_MAX_BLOCKS: usize = 132 * 16;
+
+/// Whether the expanded-form kernels take this step: bf16 activations and kv_b, the head
+/// shape above, a positive scale (the flash-attention kernel scales raw maxima), work items
+/// within a grid's y limit, context rows within the kernels' ints.
+fn expanded_fits(inner: &Inner, step: &CudaStep, p: &MlaParams, wi: usize) -> bool {
+    let d = p.dims;
+    inner.act() == Act::Bf16
+        && wi == 1
+        && (d.nope, d.rope, d.v) == (X_NOPE, X_ROPE, X_V)
+        && d.latent.is_multiple_of(8)
+        && p.scale > 0.0
+        && step.n_tiles <= 65_535
+        && step.ctx_rows <= i32::MAX as usize
+        && MLA_X_SMEM <= inner.module.max_smem
+}
+
+/// One layer's attention in the expanded form (`kernels/mla.cu`, "Prompts in the expanded
+/// form"): the queries' rope parts rotated in place with the cache rows written, the step's
+/// context rows gathered from the cache, their latents expanded through kv_b by cuBLAS, then
+/// flash attention over the expanded rows.
+#[allow(clippy::too_many_arguments)]
+fn expanded(
+    inner: &Arc<Inner>,
+    step: &CudaStep,
+    cache: u64,
+    p: &MlaParams,
+    w: &MlaWeights<'_, CudaWeight>,
+    q: &mut CudaBuf,
+    kva: &CudaBuf,
+    out: &mut CudaBuf,
+) -> Result<()> {
+    let d = p.dims;
+    let (n, r, dr, heads) = (step.n_tokens, d.latent, d.rope, d.heads);
+    let ctx = step.ctx_rows;
+    let f = |v: f32| v.to_bits() as u64;
+    let [rope, gather, attn] = inner.module.mla_x;
+    let lat = inner.scratch(ctx * r, 2)?;
+    let kr = inner.scratch(ctx * dr, 2)?;
+    let kvx = inner.scratch(ctx * heads * (d.nope + d.v), 2)?;
+    launch(
+        inner,
+        rope,
+        [heads as u32, n.div_ceil(8) as u32, 2],
+        256,
+        vec![
+            q.ptr(),
+            cache,
+            kva.ptr(),
+            w.kv_a_norm.ptr(),
+            w.inv_freq.ptr(),
+            step.slots(),
+            step.positions(),
+            n as u64,
+            heads as u64,
+            d.nope as u64,
+            dr as u64,
+            r as u64,
+            f(p.eps),
+            f(p.rope_scale),
+            p.interleaved as u64,
+        ],
+    );
+    let chunks = ctx * (r + dr) / 8;
+    launch(
+        inner,
+        gather,
+        [
+            chunks.div_ceil(GATHER_THREADS).clamp(1, GATHER_MAX_BLOCKS) as u32,
+            1,
+            1,
+        ],
+        GATHER_THREADS as u32,
+        vec![
+            lat.ptr(),
+            kr.ptr(),
+            cache,
+            step.ctx_start(),
+            step.n_seqs as u64,
+            ctx as u64,
+            step.tables(),
+            step.width as u64,
+            step.block_size as u64,
+            r as u64,
+            dr as u64,
+        ],
+    );
+    inner.push(Op::Gemm(Gemm {
+        m: heads * (d.nope + d.v),
+        n: ctx,
+        k: r,
+        w: w.kv_b.ptr(),
+        x: lat.ptr(),
+        y: kvx.ptr(),
+        ab: GemmType::Bf16,
+        c: GemmType::Bf16,
+    }));
+    inner.push(Op::Launch {
+        kernel: attn,
+        grid: [heads as u32, step.n_tiles as u32, 1],
+        block: X_THREADS,
+        smem: MLA_X_SMEM as u32,
+        args: vec![
+            out.ptr(),
+            q.ptr(),
+            kvx.ptr(),
+            kr.ptr(),
+            step.tiles(),
+            step.n_tiles as u64,
+            step.seq_start(),
+            step.seq_len(),
+            step.seq_pos(),
+            step.ctx_start(),
+            heads as u64,
+            f(p.scale * std::f32::consts::LOG2_E),
+        ],
+    });
     Ok(())
 }
 

@@ -178,6 +178,12 @@ pub struct CudaOptions {
     /// with 4 tokens a block (`mla_decode_mma4`: 64 rows share each key tile, so a prompt's
     /// latent rows are read a quarter as often); `DEEPINFER_CUDA_DECODE_MMA4=0` turns it off.
     pub decode_mma4: bool,
+    /// Prompts' MLA in the expanded form (bf16, DeepSeek-V3's head shape: nope 128, rope 64,
+    /// v 128) where it costs less than the absorbed one (`mla::expanded_pays`): the context's
+    /// latents expanded through kv_b by cuBLAS, then flash attention over K rows of 192 and V
+    /// rows of 128 values (`mla_x_*`); `DEEPINFER_CUDA_MLA_EXPAND=0` turns it off
+    /// (`MlaPath::Expanded` still asks for it).
+    pub mla_expand: bool,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -329,6 +335,7 @@ impl Default for CudaOptions {
             moe_gemm_min: 4,
             decode_mma: true,
             decode_mma4: true,
+            mla_expand: true,
         }
     }
 }
@@ -409,6 +416,7 @@ impl CudaOptions {
         }
         o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
         o.decode_mma4 = !off("DEEPINFER_CUDA_DECODE_MMA4");
+        o.mla_expand = !off("DEEPINFER_CUDA_MLA_EXPAND");
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

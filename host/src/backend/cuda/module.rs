@@ -431,6 +431,9 @@ pub const MLA_DECODE_MMA_SMEM: usize = (2 * MLA_DECODE_KEYS + 16) * (576 + 8) * 
 /// ... and of its prompt variant (`mla_decode_mma4`, `MLA_D4SMEM`): two key tiles and the
 /// queries of 4 tokens' 16 heads.
 pub const MLA_DECODE4_SMEM: usize = (2 * MLA_DECODE_KEYS + 64) * (576 + 8) * 2;
+/// Dynamic shared memory of the expanded-form MLA attention (`mla_x_attn`): 128 queries of
+/// nope + rope = 192 values and two stages of 64 K rows (192 values) and V rows (128).
+pub const MLA_X_SMEM: usize = (128 * 192 + 2 * 64 * (192 + 128)) * 2;
 /// The tiled grouped expert GEMMs (`moe_gu_gemm` / `moe_dn_gemm` in `kernels/moe.cu`): weight
 /// rows and assignments a tile, k a stage (`MOEG_TM`, `MOEG_TN`, `MOEG_TK`), threads a block.
 pub const MOE_GEMM_ROWS: usize = 128;
@@ -476,6 +479,9 @@ pub struct Module {
     /// the query absorption with the rope queries and cache rows, the split-KV decode, and its
     /// variant of 4 tokens a block.
     pub mla_mma: [KernelId; 5],
+    /// MLA in the expanded form for prompts (bf16, DeepSeek-V3's head shape): the query
+    /// rotation with the cache rows, the context gather, and the attention.
+    pub mla_x: [KernelId; 3],
     /// The device's opt-in limit of dynamic shared memory per block, bytes.
     pub max_smem: usize,
     /// Skinny tensor-core GEMMs (bf16), by token bound ([`GEMT_TOKENS`]): plain (up to three
@@ -706,6 +712,11 @@ impl Module {
             get("mla_decode_mma".into())?,
             get("mla_decode_mma4".into())?,
         ];
+        let mla_x = [
+            get("mla_x_rope".into())?,
+            get("mla_x_gather".into())?,
+            get("mla_x_attn".into())?,
+        ];
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
         for (i, t) in GEMT_TOKENS.iter().enumerate() {
@@ -736,6 +747,7 @@ impl Module {
             .chain([
                 (mla_mma[3], MLA_DECODE_MMA_SMEM),
                 (mla_mma[4], MLA_DECODE4_SMEM),
+                (mla_x[2], MLA_X_SMEM),
                 (moe_gemm[0], moe_gemm_smem(2)),
                 (moe_gemm[1], moe_gemm_smem(1)),
             ])
@@ -795,6 +807,7 @@ impl Module {
             moe_mma,
             moe_gemm,
             mla_mma,
+            mla_x,
             gemt,
             gemt_swiglu,
         })
@@ -919,6 +932,9 @@ mod tests {
             "mla_q_absorb_mma",
             "mla_decode_mma",
             "mla_decode_mma4",
+            "mla_x_rope",
+            "mla_x_gather",
+            "mla_x_attn",
             "gemt_t24",
             "gemts_t64",
             "moe_route_dec_bf16",

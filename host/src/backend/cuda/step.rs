@@ -93,6 +93,7 @@ struct Offsets {
     seq_start: usize,
     seq_len: usize,
     seq_pos: usize,
+    ctx_start: usize,
     tiles: usize,
 }
 
@@ -112,6 +113,10 @@ pub struct CudaStep {
     pub n_tiles: usize,
     /// Tokens of the batch itself (`n_tokens` counts the padding rows too).
     pub real_tokens: usize,
+    /// Context rows (cached + new) of all sequences together, and (query, key) pairs of the
+    /// causal attention over them: what MLA's two forms cost (`mla::expanded_pays`).
+    pub ctx_rows: usize,
+    pub pairs: u64,
     arena: CudaBuf,
     off: Offsets,
     ropes: Vec<(RopeSpec, CudaBuf, CudaBuf)>,
@@ -195,6 +200,22 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
     let seq_start = spans(|s| s.start, |i| i);
     let seq_len = spans(|s| s.len, |_| 1);
     let seq_pos = spans(|s| s.pos, |_| 0);
+    // where each sequence's context starts when all of them are laid end to end (MLA's
+    // expanded form gathers them so); a padding row's context is its one token
+    let mut ctx_rows = 0usize;
+    let mut pairs = 0u64;
+    let mut ctx_start = Vec::with_capacity(batch.seqs.len() + extra);
+    for s in &batch.seqs {
+        ctx_start.push(ctx_rows as i32);
+        ctx_rows += s.pos + s.len;
+        let (pos, len) = (s.pos as u64, s.len as u64);
+        pairs += len * pos + len * (len + 1) / 2;
+    }
+    for _ in n..total {
+        ctx_start.push(ctx_rows as i32);
+        ctx_rows += 1;
+        pairs += 1;
+    }
     let mut tiles = Vec::new();
     for (si, s) in batch.seqs.iter().enumerate() {
         for q0 in (0..s.len).step_by(PREFILL_TILE) {
@@ -227,6 +248,7 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
         seq_start: put(&mut buf, seq_start, i32b),
         seq_len: put(&mut buf, seq_len, i32b),
         seq_pos: put(&mut buf, seq_pos, i32b),
+        ctx_start: put(&mut buf, ctx_start, i32b),
         tiles: put(&mut buf, tiles.iter().copied(), i32b),
     };
     let arena = inner.scratch(buf.len().max(16), 1)?;
@@ -256,6 +278,8 @@ pub(crate) fn prepare(inner: &Arc<Inner>, batch: &Batch, block_size: usize) -> R
         block_size,
         n_tiles: tiles.len() / 2,
         real_tokens: n,
+        ctx_rows,
+        pairs,
         arena,
         off,
         ropes: Vec::new(),
@@ -287,6 +311,9 @@ impl CudaStep {
     }
     pub fn seq_pos(&self) -> u64 {
         self.at(self.off.seq_pos)
+    }
+    pub fn ctx_start(&self) -> u64 {
+        self.at(self.off.ctx_start)
     }
     pub fn tiles(&self) -> u64 {
         self.at(self.off.tiles)
