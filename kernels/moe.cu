@@ -161,6 +161,31 @@ __device__ void moe_pick(float* sc, float* ch, float* gs, unsigned char* gtaken,
     }
 }
 
+// This lane's share of the router logit of the gate row at `row` for tokens 0..nt of x (rows
+// x_stride apart, NT at most): the 8-value chunks lane * 8 + 256 i in order, each product
+// fused into its token's sum, the weights loaded once for all the tokens. Every routing kernel
+// sums in this order, so they agree bit for bit.
+template <typename T, int NT>
+__device__ __forceinline__ void moe_logit_share(float (&acc)[NT], const u8* row, int gate_wt, const T* x,
+                                                long x_stride, int nt, int d) {
+    const int lane = threadIdx.x & 31;
+    const int wb = gate_wt == WT_F32 ? 4 : 2;
+#pragma unroll 4
+    for (int c = lane * 8; c < d; c += 256) {
+        float wv[8];
+        moe_gate8(gate_wt, row + (long)c * wb, wv);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                float xv[8];
+                act_load8(x + t * x_stride + c, xv);
+#pragma unroll
+                for (int z = 0; z < 8; z++) acc[t] = fmaf(xv[z], wv[z], acc[t]);
+            }
+        }
+    }
+}
+
 // Block per token: router logits in f32 (one warp per expert at a time, 8-value loads when
 // the row allows), then warp 0 scores, masks groups and picks the top k.
 template <typename T>
@@ -179,23 +204,15 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
     const bool vec = (d % 8 == 0) && (gate_wt == WT_F32 || gate_wt == WT_BF16 || gate_wt == WT_F16) &&
                      (gate_row_bytes % 16 == 0);
     for (int e = warp; e < E; e += nw) {
-        float acc = 0.0f;
+        float acc[1] = {0.0f};
         if (vec) {
-            const int wb = gate_wt == WT_F32 ? 4 : 2;
-            const u8* row = gate + (long)e * gate_row_bytes;
-#pragma unroll 4
-            for (int c = lane * 8; c < d; c += 256) {
-                float wv[8], xv[8];
-                moe_gate8(gate_wt, row + (long)c * wb, wv);
-                act_load8(xr + c, xv);
-#pragma unroll
-                for (int z = 0; z < 8; z++) acc = fmaf(xv[z], wv[z], acc);
-            }
+            moe_logit_share<T, 1>(acc, gate + (long)e * gate_row_bytes, gate_wt, xr, d, 1, d);
         } else {
-            for (int c = lane; c < d; c += 32) acc = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc);
+            for (int c = lane; c < d; c += 32)
+                acc[0] = fmaf(act_load(xr, c), weight_at(gate_wt, gate, gate_row_bytes, e, c), acc[0]);
         }
-        acc = warp_sum(acc);
-        if (lane == 0) sc[e] = acc;
+        acc[0] = warp_sum(acc[0]);
+        if (lane == 0) sc[e] = acc[0];
     }
     __syncthreads();
     if (warp != 0) return;
@@ -280,6 +297,129 @@ extern "C" __global__ void __launch_bounds__(MOE_PLAN_THREADS)
     for (int e = tid; e < E; e += blockDim.x) {
         last[e] = (unsigned)cnt[e];
         totals[e] += (unsigned long long)cnt[e];
+    }
+}
+
+// The routing of steps of many tokens (prompts): moe_route_impl for MOE_RT tokens a block, so
+// each gate row is read once for all of them (a block a token reads the whole gate again for
+// every token: 256 KB for 64 experts of 2,048). Warp w takes experts w, w + 8, ...; then warp t
+// scores and picks token t. Same sums in the same order as moe_route: the same ids and weights.
+// Rows of whole 8-value chunks and 16-byte gate rows of f32, f16 or bf16; at most MOE_RT_MAXE
+// experts.
+#define MOE_RT 8
+#define MOE_RT_MAXE 256
+#define MOE_RT_THREADS 256
+template <typename T>
+__device__ void moe_route8_impl(int* ids, float* weights, const T* x, const u8* gate, int gate_wt, long gate_row_bytes,
+                                const float* bias, int n, int d, int E, int K, int score, int n_group, int topk_group,
+                                int norm, float scaling) {
+    __shared__ float sc[MOE_RT][MOE_RT_MAXE];
+    __shared__ float ch[MOE_RT][MOE_RT_MAXE];
+    __shared__ float gs[MOE_RT][64];
+    __shared__ unsigned char gtaken[MOE_RT][64];
+    __shared__ int chosen[MOE_RT][64];
+    __shared__ float wsel[MOE_RT][64];
+    const int t0 = blockIdx.x * MOE_RT, nt = min(MOE_RT, n - t0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int e = warp; e < E; e += nw) {
+        float acc[MOE_RT];
+#pragma unroll
+        for (int t = 0; t < MOE_RT; t++) acc[t] = 0.0f;
+        moe_logit_share<T, MOE_RT>(acc, gate + (long)e * gate_row_bytes, gate_wt, x + (long)t0 * d, d, nt, d);
+#pragma unroll
+        for (int t = 0; t < MOE_RT; t++) {
+            const float v = warp_sum(acc[t]);
+            if (lane == 0 && t < nt) sc[t][e] = v;
+        }
+    }
+    __syncthreads();
+    if (warp >= nt) return;
+    moe_pick(sc[warp], ch[warp], gs[warp], gtaken[warp], chosen[warp], wsel[warp], bias, E, K, score, n_group,
+             topk_group, norm, scaling);
+    __syncwarp();
+    if (lane == 0) {
+        const long t = t0 + warp;
+        for (int j = 0; j < K; j++) {
+            ids[t * K + j] = chosen[warp][j];
+            weights[t * K + j] = wsel[warp][j];
+        }
+    }
+}
+
+// moe_plan over E blocks (steps of many assignments; one block walks every expert in turn):
+// block e counts every expert's assignments in shared memory (atomic adds: the counts do not
+// depend on their order), takes its expert's offset and place in the list of active experts by
+// the warp scan moe_plan uses, and writes its expert's assignments in increasing order, a chunk
+// of the ids at a time (a warp's hits by ballot, the warps' counts added in warp order). Block 0
+// writes offsets[E] and the active count. The same outputs as moe_plan.
+#define MOE_PLAN2_THREADS 512
+extern "C" __global__ void __launch_bounds__(MOE_PLAN2_THREADS)
+    moe_plan2(int* offsets, int* rows, int* active, int* n_active, unsigned long long* totals, unsigned* last,
+              const int* ids, int nk, int E) {
+    PDL_ENTRY();
+    __shared__ int cnt[MOE_MAX_EXPERTS];
+    __shared__ int wsum[MOE_PLAN2_THREADS / 32];
+    __shared__ int off_e, act_e;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5, e = blockIdx.x;
+    const u32 below = (1u << lane) - 1u;
+    for (int i = tid; i < E; i += blockDim.x) cnt[i] = 0;
+    __syncthreads();
+    for (int i = tid; i < nk; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
+    __syncthreads();
+    if (warp == 0) {
+        const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+        int sum = 0, act = 0;
+        for (int i = e0; i < e1; i++) {
+            sum += cnt[i];
+            act += cnt[i] > 0;
+        }
+        int xs = sum, xa = act;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int ys = __shfl_up_sync(0xffffffffu, xs, o), ya = __shfl_up_sync(0xffffffffu, xa, o);
+            if (lane >= o) {
+                xs += ys;
+                xa += ya;
+            }
+        }
+        int o = xs - sum, a = xa - act;
+        for (int i = e0; i < e1; i++) {
+            if (i == e) {
+                off_e = o;
+                act_e = a;
+            }
+            o += cnt[i];
+            a += cnt[i] > 0;
+        }
+        if (e == 0 && lane == 31) {
+            offsets[E] = xs;
+            *n_active = xa;
+        }
+    }
+    __syncthreads();
+    const int c = cnt[e];
+    if (tid == 0) {
+        offsets[e] = off_e;
+        if (c > 0) active[act_e] = e;
+        last[e] = (unsigned)c;
+        totals[e] += (unsigned long long)c;
+    }
+    if (c == 0) return;
+    int pos = off_e;
+    for (int c0 = 0; c0 < nk; c0 += blockDim.x) {
+        const int i = c0 + tid;
+        const bool hit = i < nk && ids[i] == e;
+        const u32 m = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) wsum[warp] = __popc(m);
+        __syncthreads();
+        int before = 0, all = 0;
+        for (int w = 0; w < nw; w++) {
+            const int s = wsum[w];
+            before += w < warp ? s : 0;
+            all += s;
+        }
+        if (hit) rows[pos + before + __popc(m & below)] = i;
+        pos += all;
+        __syncthreads();
     }
 }
 
@@ -392,6 +532,13 @@ __device__ void moe_combine_impl(T* out, const float* y, const float* weights, c
         PDL_ENTRY();                                                                                                 \
         moe_route_impl<T>(ids, weights, x, gate, gate_wt, gate_row_bytes, bias, d, E, K, score, n_group, topk_group, \
                           norm, scaling);                                                                            \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MOE_RT_THREADS) moe_route8_##S(                                   \
+        int* ids, float* weights, const T* x, const u8* gate, int gate_wt, long gate_row_bytes, const float* bias,  \
+        int n, int d, int E, int K, int score, int n_group, int topk_group, int norm, float scaling) {              \
+        PDL_ENTRY();                                                                                                 \
+        moe_route8_impl<T>(ids, weights, x, gate, gate_wt, gate_row_bytes, bias, n, d, E, K, score, n_group,         \
+                           topk_group, norm, scaling);                                                               \
     }                                                                                                                \
     extern "C" __global__ void moe_combine_##S(T* out, const float* y, const float* weights, const T* shared, int k, \
                                                int d) {                                                              \

@@ -745,6 +745,10 @@ mod gpu {
         let Some(be) = cuda(Some(Act::F32)) else {
             return;
         };
+        // the routing of 8 tokens a block from 9 tokens on, and the plan of one block for all
+        // experts (`moe_many` off): the same results as the default's bit for bit
+        let many = cuda_set(Act::F32, |o| o.route8_min = 9);
+        let few = cuda_set(Act::F32, |o| o.moe_many = false);
         let mut rng = Rng::fresh("moe");
         let (d, inter, e) = (40, 24, 12);
         for (score, n_group, topk_group, top_k, norm) in [
@@ -789,8 +793,21 @@ mod gpu {
                 d,
                 inter,
             );
+            let layer = |b| {
+                moe_layer(
+                    b,
+                    &cfg,
+                    &experts,
+                    &gate,
+                    bias.clone(),
+                    Some(&shared),
+                    d,
+                    inter,
+                )
+            };
+            let (lm, lf) = (layer(&many), layer(&few));
             let lc = moe_layer(&cpu, &cfg, &experts, &gate, bias, Some(&shared), d, inter);
-            for n in [1usize, 2, 5, 8, 37] {
+            for n in [1usize, 2, 5, 8, 37, 100] {
                 let x = rng.vec(n * d, 1.0);
                 let tokens = vec![0u32; n];
                 let xg = be.upload(&x).unwrap();
@@ -808,6 +825,16 @@ mod gpu {
                 assert_eq!(a.last_step, b.last_step, "last step's tokens per expert");
                 assert_eq!(a.total, b.total);
                 assert_eq!(a.last_step.iter().sum::<u64>(), (n * top_k) as u64);
+                for (b, l, what) in [
+                    (&many, &lm, "8 tokens a block"),
+                    (&few, &lf, "one-block plan"),
+                ] {
+                    let xb = b.upload(&x).unwrap();
+                    let mut o = b.zeros(n * d).unwrap();
+                    b.moe(l, &xb, &tokens, n, d, &mut o).unwrap();
+                    assert!(b.to_host(&o).unwrap() == got, "{what}: {n} tokens differ");
+                    assert_eq!(b.expert_load(l).unwrap().last_step, a.last_step, "{what}");
+                }
             }
         }
     }

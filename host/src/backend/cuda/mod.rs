@@ -184,6 +184,13 @@ pub struct CudaOptions {
     /// rows of 128 values (`mla_x_*`); `DEEPINFER_CUDA_MLA_EXPAND=0` turns it off
     /// (`MlaPath::Expanded` still asks for it).
     pub mla_expand: bool,
+    /// Steps of more than 8 tokens plan their experts' assignments with a block an expert
+    /// (`moe_plan2`) instead of one block walking every expert, and steps of `route8_min`
+    /// tokens or more route 8 tokens a block (`moe_route8`, 256 experts at most) instead of one;
+    /// both give the same results. `DEEPINFER_CUDA_MOE_MANY=0` turns both off,
+    /// `DEEPINFER_CUDA_ROUTE8_MIN=N` sets the bound (256 by default).
+    pub moe_many: bool,
+    pub route8_min: usize,
 }
 
 /// The later variants of the DeepSeek (MLA and MoE decode) kernels, each on or off, so one
@@ -336,6 +343,8 @@ impl Default for CudaOptions {
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
+            moe_many: true,
+            route8_min: 256,
         }
     }
 }
@@ -417,6 +426,14 @@ impl CudaOptions {
         o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
         o.decode_mma4 = !off("DEEPINFER_CUDA_DECODE_MMA4");
         o.mla_expand = !off("DEEPINFER_CUDA_MLA_EXPAND");
+        o.moe_many = !off("DEEPINFER_CUDA_MOE_MANY");
+        if let Ok(v) = std::env::var("DEEPINFER_CUDA_ROUTE8_MIN") {
+            o.route8_min = v.parse().map_err(|_| {
+                Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_ROUTE8_MIN={v}: expected a whole number of tokens"
+                ))
+            })?;
+        }
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;

@@ -380,6 +380,8 @@ pub struct DeepseekKernels {
     pub mla_layer1_smem: u32,
     pub mla_layer1_clusters: [u32; 3],
     pub moe_route: KernelId,
+    /// The routing of 8 tokens a block (steps of many tokens; same results).
+    pub moe_route8: KernelId,
     /// By weight type and assignments per pass (1, 8).
     pub moe_gateup: [[KernelId; 2]; 2],
     pub moe_down: [[KernelId; 2]; 2],
@@ -469,6 +471,8 @@ pub struct Module {
     /// By activation type (f32, bf16).
     pub deepseek: [DeepseekKernels; 2],
     pub moe_plan: KernelId,
+    /// The same plan over a block an expert (`moe_plan2`).
+    pub moe_plan2: KernelId,
     /// The grouped expert products on tensor cores (bf16 weights and activations): gate/up
     /// with SwiGLU, and down.
     pub moe_mma: [KernelId; 2],
@@ -678,6 +682,7 @@ impl Module {
                 mla_layer1_smem: 0,
                 mla_layer1_clusters: [0; 3],
                 moe_route: n("moe_route")?,
+                moe_route8: n("moe_route8")?,
                 moe_gateup: [
                     [n("moe_gateup_wf32_t1")?, n("moe_gateup_wf32_t8")?],
                     [n("moe_gateup_wbf16_t1")?, n("moe_gateup_wbf16_t8")?],
@@ -703,6 +708,7 @@ impl Module {
         };
         let mut deepseek = [ds("f32")?, ds("bf16")?];
         let moe_plan = get("moe_plan".into())?;
+        let moe_plan2 = get("moe_plan2".into())?;
         let moe_mma = [get("moe_gu_mma".into())?, get("moe_dn_mma".into())?];
         let moe_gemm = [get("moe_gu_gemm".into())?, get("moe_dn_gemm".into())?];
         let mla_mma = [
@@ -804,6 +810,7 @@ impl Module {
             weight_to_f32,
             deepseek,
             moe_plan,
+            moe_plan2,
             moe_mma,
             moe_gemm,
             mla_mma,
@@ -923,6 +930,8 @@ mod tests {
             "mla_layer1_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
+            "moe_plan2",
+            "moe_route8_bf16",
             "moe_gu_mma",
             "moe_dn_mma",
             "moe_gu_gemm",

@@ -29,6 +29,13 @@ const MAX_TOP_K: usize = 64;
 const ROWS_PER_BLOCK: usize = 8;
 /// Threads of the plan kernel (`MOE_PLAN_THREADS`).
 const PLAN_THREADS: u32 = 1024;
+/// Threads of a `moe_plan2` block (`MOE_PLAN2_THREADS`, a block an expert).
+const PLAN2_THREADS: u32 = 512;
+/// `moe_route8`: tokens and threads a block, most experts (`MOE_RT`, `MOE_RT_THREADS`,
+/// `MOE_RT_MAXE`).
+const ROUTE8_TOKENS: usize = 8;
+const ROUTE8_THREADS: u32 = 256;
+const ROUTE8_MAX_EXPERTS: usize = 256;
 /// Decode kernels (`moe_*_dec`): most tokens, experts, routed slots (selected experts) and
 /// shared-expert slots; experts per routing block, rows per block of the expert products.
 const DEC_MAX_TOKENS: usize = 8;
@@ -223,38 +230,60 @@ pub(crate) fn forward(
         ScoreFunc::Softmax => 1,
         ScoreFunc::SqrtSoftplus => 2,
     };
-    launch(
-        inner,
-        kern.moe_route,
-        [n as u32, 1, 1],
-        1024,
-        vec![
-            ids.ptr(),
-            weights.ptr(),
-            x.ptr(),
-            gate.ptr(),
-            gate.wtype as u64,
-            gate.row_bytes as u64,
-            st.bias.as_ref().map_or(0, |b| b.ptr),
-            d as u64,
-            e as u64,
-            k as u64,
-            score,
-            cfg.n_group as u64,
-            cfg.topk_group as u64,
-            cfg.norm_topk_prob as u64,
-            cfg.scaling.to_bits() as u64,
-        ],
-    );
+    // 8 tokens a block for many tokens (whole 8-value chunks of 16-byte f32 / f16 / bf16 rows)
+    let route8 = inner.opts.moe_many
+        && n >= inner.opts.route8_min
+        && e <= ROUTE8_MAX_EXPERTS
+        && d.is_multiple_of(8)
+        && gate.row_bytes.is_multiple_of(16)
+        && matches!(gate.wtype, WType::F32 | WType::F16 | WType::Bf16);
+    let mut args = vec![
+        ids.ptr(),
+        weights.ptr(),
+        x.ptr(),
+        gate.ptr(),
+        gate.wtype as u64,
+        gate.row_bytes as u64,
+        st.bias.as_ref().map_or(0, |b| b.ptr),
+    ];
+    if route8 {
+        args.push(n as u64);
+    }
+    args.extend([
+        d as u64,
+        e as u64,
+        k as u64,
+        score,
+        cfg.n_group as u64,
+        cfg.topk_group as u64,
+        cfg.norm_topk_prob as u64,
+        cfg.scaling.to_bits() as u64,
+    ]);
+    if route8 {
+        launch(
+            inner,
+            kern.moe_route8,
+            [n.div_ceil(ROUTE8_TOKENS) as u32, 1, 1],
+            ROUTE8_THREADS,
+            args,
+        );
+    } else {
+        launch(inner, kern.moe_route, [n as u32, 1, 1], 1024, args);
+    }
     let offsets = inner.scratch(e + 1, 4)?;
     let rows = inner.scratch(nk, 4)?;
     let active = inner.scratch(e, 4)?;
     let n_active = inner.scratch(1, 4)?;
+    let (plan, plan_blocks, plan_threads) = if inner.opts.moe_many {
+        (inner.module.moe_plan2, e as u32, PLAN2_THREADS)
+    } else {
+        (inner.module.moe_plan, 1, PLAN_THREADS)
+    };
     launch(
         inner,
-        inner.module.moe_plan,
-        [1, 1, 1],
-        PLAN_THREADS,
+        plan,
+        [plan_blocks, 1, 1],
+        plan_threads,
         vec![
             offsets.ptr(),
             rows.ptr(),
