@@ -71,18 +71,15 @@ __device__ void mla_cache_row(T* cache, const T* kva, const float* gain, const f
 __device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
 __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
 
-// The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf
-// (rows of q_stride values, the rope part from value q_off: the absorbed forms' f32 rows, or the
-// query rows themselves for the expanded form, each pair read and written by one thread); with
-// `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
+// The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf;
+// with `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
 // other heads' blocks return). The rotation's sines and cosines (positions and frequencies are
 // the step's inputs, uploaded before its kernels) are computed before the programmatic wait,
 // once per pair. A whole block of at least 8 warps.
-template <typename T, typename QT>
-__device__ void mla_q_rope(QT* qf, const T* q, int heads, int nope, int dr, int r, T* cache, const T* kva,
+template <typename T>
+__device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, int r, T* cache, const T* kva,
                            const float* gain, const float* inv_freq, const long* slots, const int* positions,
-                           float eps, float rs, int interleaved, int h, int t0, int nt, bool rows, int q_stride,
-                           int q_off) {
+                           float eps, float rs, int interleaved, int h, int t0, int nt, bool rows) {
     const int W = r + dr, qk = nope + dr;
     __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
     const int half = dr / 2;
@@ -105,10 +102,10 @@ __device__ void mla_q_rope(QT* qf, const T* q, int heads, int nope, int dr, int 
             const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
             const T* qh = q + ((long)t * heads + h) * qk + nope;
             const float x = act_load(qh, a), y = act_load(qh, b);
-            QT* o = qf + ((long)t * heads + h) * q_stride + q_off;
+            float* o = qf + ((long)t * heads + h) * W + r;
             const float2 v = mla_rotate(x, y, cs[i][p], sn[i][p]);
-            act_store(o, a, v.x);
-            act_store(o, b, v.y);
+            o[a] = v.x;
+            o[b] = v.y;
         }
         return;
     }
@@ -166,8 +163,8 @@ __device__ void mla_q_absorb_impl(float* qf, const T* q, const WT* w, int n, int
     const int c = blockIdx.z * 64 + cl;
     const int zr = (r + 63) / 64;  // the rope block; V2: zr + 1 writes the cache rows
     if (V2 && (int)blockIdx.z >= zr) {
-        mla_q_rope<T, float>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
-                             interleaved, h, t0, nt, (int)blockIdx.z > zr, W, r);
+        mla_q_rope<T>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs, interleaved,
+                      h, t0, nt, (int)blockIdx.z > zr);
         return;
     }
     // This thread's weights (rows jg, jg + 4, ... of column c) are no earlier kernel's
@@ -733,8 +730,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_q_absorb_mma(
         const int y = (int)blockIdx.y - zr, t0 = (y % (MLA_QT / 8)) * 8;
         const bool rows = y >= MLA_QT / 8;
         if ((rows && h != 0) || t0 >= nt) return;
-        mla_q_rope<bf16_t, float>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
-                                  interleaved, h, tb + t0, min(8, nt - t0), rows, r + dr, r);
+        mla_q_rope<bf16_t>(qf, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                           interleaved, h, tb + t0, min(8, nt - t0), rows);
         return;
     }
     __shared__ __align__(16) bf16_t ws[MLA_QMAXNOPE][MLA_QC + 8];
@@ -816,6 +813,36 @@ __device__ __forceinline__ void mla_dm_slots(long* slot, const int* table, int b
     if ((int)threadIdx.x < MLA_DT) {
         const int j = j0 + threadIdx.x;
         slot[threadIdx.x] = j < k1 ? ((long)table[j / block_size] * block_size + j % block_size) * W : 0;
+    }
+}
+
+// O += P V for a warp's 16 rows of the attention's tile: its accumulators (NT 8-column tiles of
+// the latent columns from col0, the first `cols` columns in use) rescaled by the rows' softmax
+// corrections (c0 for rows g, c1 for rows g + 8), then the rows' weights P (bf16, from row `p`)
+// times the tile's key rows `k` (ldmatrix.trans), 16 keys a step.
+template <int NT>
+__device__ __forceinline__ void mla_dm_pv(float (&acc)[NT][4], float c0, float c1, const bf16_t (*p)[MLA_DT + 8],
+                                          const bf16_t (*k)[MLA_DWP], int col0, int cols) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        acc[n][0] *= c0;
+        acc[n][1] *= c0;
+        acc[n][2] *= c1;
+        acc[n][3] *= c1;
+    }
+#pragma unroll
+    for (int kk = 0; kk < MLA_DT; kk += 16) {
+        u32 a[4];
+        ldsm_x4(a[0], a[1], a[2], a[3], &p[lane & 15][kk + (lane >> 4) * 8]);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            if (n * 8 >= cols) break;  // warp-uniform
+            u32 b[4];
+            ldsm_x4_t(b[0], b[1], b[2], b[3], &k[kk + (lane & 7) + ((lane >> 3) & 1) * 8][col0 + n * 8 + (lane >> 4) * 8]);
+            mma_bf16_16816(acc[n], a, b[0], b[1]);
+            mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
+        }
     }
 }
 
@@ -935,28 +962,7 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
             }
         }
         __syncthreads();
-        const float c0 = scorr[g], c1 = scorr[g + 8];
-#pragma unroll
-        for (int n = 0; n < MLA_DNT; n++) {
-            acc[n][0] *= c0;
-            acc[n][1] *= c0;
-            acc[n][2] *= c1;
-            acc[n][3] *= c1;
-        }
-#pragma unroll
-        for (int kk = 0; kk < MLA_DT; kk += 16) {
-            u32 a[4];
-            ldsm_x4(a[0], a[1], a[2], a[3], &sp[lane & 15][kk + (lane >> 4) * 8]);
-#pragma unroll
-            for (int n = 0; n < MLA_DNT; n += 2) {
-                if (n * 8 >= rw) break;  // warp-uniform
-                u32 b[4];
-                ldsm_x4_t(b[0], b[1], b[2], b[3],
-                          &sk[buf][kk + (lane & 7) + ((lane >> 3) & 1) * 8][warp * rw + n * 8 + (lane >> 4) * 8]);
-                mma_bf16_16816(acc[n], a, b[0], b[1]);
-                mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
-            }
-        }
+        mla_dm_pv<MLA_DNT>(acc, scorr[g], scorr[g + 8], sp, sk[buf], warp * rw, rw);
     }
     cp_async_wait_all();
 #pragma unroll
@@ -1129,28 +1135,7 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS, 1) mla_decode_mma4(
                 }
             }
             __syncthreads();
-            const float c0 = scorr[tw * 16 + g], c1 = scorr[tw * 16 + g + 8];
-#pragma unroll
-            for (int q = 0; q < MLA_D4NT; q++) {
-                acc[q][0] *= c0;
-                acc[q][1] *= c0;
-                acc[q][2] *= c1;
-                acc[q][3] *= c1;
-            }
-#pragma unroll
-            for (int kk = 0; kk < MLA_DT; kk += 16) {
-                u32 ap[4];
-                ldsm_x4(ap[0], ap[1], ap[2], ap[3], &sp[tw * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
-#pragma unroll
-                for (int q = 0; q < MLA_D4NT; q += 2) {
-                    if (q * 8 >= rh) break;  // warp-uniform
-                    u32 bv[4];
-                    ldsm_x4_t(bv[0], bv[1], bv[2], bv[3],
-                              &sk[buf][kk + (lane & 7) + ((lane >> 3) & 1) * 8][kh * rh + q * 8 + (lane >> 4) * 8]);
-                    mma_bf16_16816(acc[q], ap, bv[0], bv[1]);
-                    mma_bf16_16816(acc[q + 1], ap, bv[2], bv[3]);
-                }
-            }
+            mla_dm_pv<MLA_D4NT>(acc, scorr[tw * 16 + g], scorr[tw * 16 + g + 8], sp + tw * 16, sk[buf], kh * rh, rh);
         }
         cp_async_wait_all();
         if (tw >= a && tw < b) {
@@ -1885,8 +1870,8 @@ extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_layer1_bf16(
 // (latent + rope) + latent in the absorbed one (320 against 1,088 for DeepSeek-V3's heads), at
 // the price of expanding every context row through kv_b once, which costs what the absorption
 // and the V up-projection of a token cost. So a prompt (or a long chunk of one) runs:
-//   mla_x_rope    the queries' rope parts rotated in place (grid z 0) and the cache rows
-//                 (z 1), as the absorption kernels write them;
+//   mla_x_rope    the queries' rope parts rotated in place and the cache rows, as the
+//                 absorption kernels write them;
 //   mla_x_gather  the context rows of every sequence of the step copied out of the paged cache,
 //                 latents and rope keys apart (the rows of sequence s from ctx_start[s]);
 //   (cuBLAS)      the latents through kv_b: per context row and head, nope K values then v V
@@ -1902,15 +1887,39 @@ extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_layer1_bf16(
 #define MLX_STAGES 2
 #define MLX_THREADS 128
 
+// Grid (2, token chunks of 8): x 0 rotates the chunk's queries of every head in place, the
+// sines and cosines computed once for all heads (as mla_q_rope computes them); x 1 writes the
+// chunk's cache rows through mla_q_rope.
 extern "C" __global__ void __launch_bounds__(256) mla_x_rope(bf16_t* q, bf16_t* cache, const bf16_t* kva,
                                                              const float* gain, const float* inv_freq,
                                                              const long* slots, const int* positions, int n, int heads,
                                                              int nope, int dr, int r, float eps, float rs,
                                                              int interleaved) {
     pdl_launch_dependents();
-    const int t0 = blockIdx.y * 8;
-    mla_q_rope<bf16_t, bf16_t>(q, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
-                               interleaved, blockIdx.x, t0, min(8, n - t0), blockIdx.z == 1, nope + dr, nope);
+    const int t0 = blockIdx.y * 8, nt = min(8, n - t0);
+    if (blockIdx.x == 1) {
+        mla_q_rope<bf16_t>(nullptr, q, heads, nope, dr, r, cache, kva, gain, inv_freq, slots, positions, eps, rs,
+                           interleaved, 0, t0, nt, true);
+        return;
+    }
+    __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
+    const int half = dr / 2, qk = nope + dr;
+    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+        const int i = e / half, p = e % half;
+        const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
+        cs[i][p] = a.x;
+        sn[i][p] = a.y;
+    }
+    __syncthreads();
+    pdl_wait();
+    for (int e = threadIdx.x; e < nt * heads * half; e += blockDim.x) {
+        const int i = e / (heads * half), h = e / half % heads, p = e % half;
+        const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+        bf16_t* qh = q + ((long)(t0 + i) * heads + h) * qk + nope;
+        const float2 v = mla_rotate(act_load(qh, a), act_load(qh, b), cs[i][p], sn[i][p]);
+        act_store(qh, a, v.x);
+        act_store(qh, b, v.y);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256) mla_x_gather(bf16_t* lat, bf16_t* kr, const bf16_t* cache,

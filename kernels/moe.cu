@@ -226,6 +226,31 @@ __device__ void moe_route_impl(int* ids, float* weights, const T* x, const u8* g
     }
 }
 
+// Warp-wide scan of the experts' counts cnt[0, E) (lane l owns the run [e0, e1) of
+// ceil(E / 32) experts): the assignments and active experts before each lane's run, and after
+// it (lane 31's are the totals).
+struct MoeScan {
+    int e0, e1, off, act, end_off, end_act;
+};
+__device__ __forceinline__ MoeScan moe_scan_counts(const int* cnt, int E) {
+    const int lane = threadIdx.x & 31;
+    const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+    int sum = 0, act = 0;
+    for (int e = e0; e < e1; e++) {
+        sum += cnt[e];
+        act += cnt[e] > 0;
+    }
+    int xs = sum, xa = act;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int ys = __shfl_up_sync(0xffffffffu, xs, o), ya = __shfl_up_sync(0xffffffffu, xa, o);
+        if (lane >= o) {
+            xs += ys;
+            xa += ya;
+        }
+    }
+    return MoeScan{e0, e1, xs - sum, xa - act, xs, xa};
+}
+
 // One block of MOE_PLAN_THREADS; warp w owns experts w, w + 32, ...: it counts an expert's
 // assignments 32 at a time by ballot over the ids (staged in shared memory a chunk at a time),
 // warp 0 turns the counts into offsets and the list of active experts, then a second pass
@@ -266,30 +291,17 @@ extern "C" __global__ void __launch_bounds__(MOE_PLAN_THREADS)
         __syncthreads();
         if (pass == 0 && warp == 0) {
             // offsets by a warp-wide scan of per-lane runs of experts; active experts likewise
-            const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
-            int sum = 0, act = 0;
-            for (int e = e0; e < e1; e++) {
-                sum += cnt[e];
-                act += cnt[e] > 0;
-            }
-            int xs = sum, xa = act;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int ys = __shfl_up_sync(0xffffffffu, xs, o), ya = __shfl_up_sync(0xffffffffu, xa, o);
-                if (lane >= o) {
-                    xs += ys;
-                    xa += ya;
-                }
-            }
-            int o = xs - sum, a = xa - act;
-            for (int e = e0; e < e1; e++) {
+            const MoeScan sc = moe_scan_counts(cnt, E);
+            int o = sc.off, a = sc.act;
+            for (int e = sc.e0; e < sc.e1; e++) {
                 off[e] = o;
                 offsets[e] = o;
                 if (cnt[e] > 0) active[a++] = e;
                 o += cnt[e];
             }
             if (lane == 31) {
-                offsets[E] = xs;
-                *n_active = xa;
+                offsets[E] = sc.end_off;
+                *n_active = sc.end_act;
             }
         }
         __syncthreads();
@@ -367,22 +379,9 @@ extern "C" __global__ void __launch_bounds__(MOE_PLAN2_THREADS)
     for (int i = tid; i < nk; i += blockDim.x) atomicAdd(&cnt[ids[i]], 1);
     __syncthreads();
     if (warp == 0) {
-        const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
-        int sum = 0, act = 0;
-        for (int i = e0; i < e1; i++) {
-            sum += cnt[i];
-            act += cnt[i] > 0;
-        }
-        int xs = sum, xa = act;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int ys = __shfl_up_sync(0xffffffffu, xs, o), ya = __shfl_up_sync(0xffffffffu, xa, o);
-            if (lane >= o) {
-                xs += ys;
-                xa += ya;
-            }
-        }
-        int o = xs - sum, a = xa - act;
-        for (int i = e0; i < e1; i++) {
+        const MoeScan sc = moe_scan_counts(cnt, E);
+        int o = sc.off, a = sc.act;
+        for (int i = sc.e0; i < sc.e1; i++) {
             if (i == e) {
                 off_e = o;
                 act_e = a;
@@ -391,8 +390,8 @@ extern "C" __global__ void __launch_bounds__(MOE_PLAN2_THREADS)
             a += cnt[i] > 0;
         }
         if (e == 0 && lane == 31) {
-            offsets[E] = xs;
-            *n_active = xa;
+            offsets[E] = sc.end_off;
+            *n_active = sc.end_act;
         }
     }
     __syncthreads();

@@ -746,7 +746,7 @@ fn expanded(
     launch(
         inner,
         rope,
-        [heads as u32, n.div_ceil(8) as u32, 2],
+        [2, n.div_ceil(8) as u32, 1],
         256,
         vec![
             q.ptr(),
