@@ -816,6 +816,23 @@ __device__ __forceinline__ void mla_dm_slots(long* slot, const int* table, int b
     }
 }
 
+// A step of the double-buffered walk over the key tiles: the next tile's rows (keys jn ..,
+// when any are left) asked into the other buffer, then this tile's awaited; on return the
+// block sees this tile in sk[buf].
+__device__ __forceinline__ void mla_dm_step(long (*slot)[MLA_DT], bf16_t (*sk)[MLA_DT][MLA_DWP], int buf,
+                                            const int* table, int block_size, int W, const bf16_t* cache, int jn,
+                                            int k1) {
+    if (jn < k1) {
+        // the other buffer's last readers finished the previous tile before this barrier
+        mla_dm_slots(slot[buf ^ 1], table, block_size, W, jn, k1);
+        __syncthreads();
+        mla_dm_tile(sk[buf ^ 1], slot[buf ^ 1], cache, W, min(MLA_DT, k1 - jn), jn, 0, 0);
+    }
+    cp_async_commit();
+    cp_async_wait_group<1>();  // this tile's rows
+    __syncthreads();
+}
+
 // O += P V for a warp's 16 rows of the attention's tile: its accumulators (NT 8-column tiles of
 // the latent columns from col0, the first `cols` columns in use) rescaled by the rows' softmax
 // corrections (c0 for rows g, c1 for rows g + 8), then the rows' weights P (bf16, from row `p`)
@@ -904,15 +921,7 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS) mla_decode_mma(
     int buf = 0;
     for (int j0 = k0; j0 < k1; j0 += MLA_DT, buf ^= 1) {
         const int nk = min(MLA_DT, k1 - j0), jn = j0 + MLA_DT;
-        if (jn < k1) {
-            // the other buffer's last readers finished the previous tile before this barrier
-            mla_dm_slots(slot[buf ^ 1], table, block_size, W, jn, k1);
-            __syncthreads();
-            mla_dm_tile(sk[buf ^ 1], slot[buf ^ 1], cache, W, min(MLA_DT, k1 - jn), jn, 0, 0);
-        }
-        cp_async_commit();
-        cp_async_wait_group<1>();  // this tile's rows
-        __syncthreads();
+        mla_dm_step(slot, sk, buf, table, block_size, W, cache, jn, k1);
         // scores of keys 8 kw .. + 8 with all heads over half the values (the two halves of
         // each 32-value step into their own sums: two chains of dependent products, not one)
         const int kw = warp & 3, dh = warp >> 2;
@@ -1069,14 +1078,7 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS, 1) mla_decode_mma4(
         int buf = 0;
         for (int j0 = k0; j0 < k1; j0 += MLA_DT, buf ^= 1) {
             const int nk = min(MLA_DT, k1 - j0), jn = j0 + MLA_DT;
-            if (jn < k1) {
-                mla_dm_slots(slot[buf ^ 1], table, block_size, W, jn, k1);
-                __syncthreads();
-                mla_dm_tile(sk[buf ^ 1], slot[buf ^ 1], cache, W, min(MLA_DT, k1 - jn), jn, 0, 0);
-            }
-            cp_async_commit();
-            cp_async_wait_group<1>();
-            __syncthreads();
+            mla_dm_step(slot, sk, buf, table, block_size, W, cache, jn, k1);
             // scores of token tw's rows against keys 16 kh .. + 16 (the two halves of each
             // 32-value step into their own sums)
             float sa[2][4], sb[2][4];

@@ -783,16 +783,6 @@ mod gpu {
             let gate = rng.vec(e * d, 0.5);
             let bias = (score == ScoreFunc::Sigmoid).then(|| rng.vec(e, 0.1));
             let cpu = CpuBackend::new(2);
-            let lg = moe_layer(
-                &be,
-                &cfg,
-                &experts,
-                &gate,
-                bias.clone(),
-                Some(&shared),
-                d,
-                inter,
-            );
             let layer = |b| {
                 moe_layer(
                     b,
@@ -805,7 +795,7 @@ mod gpu {
                     inter,
                 )
             };
-            let (lm, lf) = (layer(&many), layer(&few));
+            let (lg, lm, lf) = (layer(&be), layer(&many), layer(&few));
             let lc = moe_layer(&cpu, &cfg, &experts, &gate, bias, Some(&shared), d, inter);
             for n in [1usize, 2, 5, 8, 37, 100] {
                 let x = rng.vec(n * d, 1.0);
