@@ -359,6 +359,18 @@ __device__ __forceinline__ void store2(bf16_t* p, long i, float a, float b) {
     *reinterpret_cast<u32*>(p + i) = pack_bf16x2(a, b);
 }
 
+// The wide kernel's running state for a warp's MT x 16 rows: O zero, row maxima -inf, sums 0.
+template <int DV, int MT>
+__device__ __forceinline__ void fw_init(float (&o)[MT][DV / 8][4], float (&mrow)[MT][2], float (&lrow)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int i = 0; i < DV / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+        mrow[mt][0] = mrow[mt][1] = NEG_INF;
+        lrow[mt][0] = lrow[mt][1] = 0.0f;
+    }
+}
+
 // One 64-key tile of the wide kernel for this warp's MT x 16 query rows (Q staged in shared
 // memory as rows of DK values, the warp's from row `wrow`; the tile's K rows of DK values and
 // V rows of DV values): S = Q K^T on the tensor cores, the causal and window mask where
@@ -564,13 +576,7 @@ __device__ void attn_prefill_wide_impl(T* out, const T* q, const bf16_t* kc, con
     }
     float o[MT][D / 8][4];
     float mrow[MT][2], lrow[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-        for (int i = 0; i < D / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
-        mrow[mt][0] = mrow[mt][1] = NEG_INF;
-        lrow[mt][0] = lrow[mt][1] = 0.0f;
-    }
+    fw_init<D, MT>(o, mrow, lrow);
     const int qrow0 = qfirst + warp * WR + (lane >> 2);  // position of this thread's first row
     // This warp's rows (positions); a warp wholly past the sequence's queries only keeps step.
     const int wfirst = qfirst + warp * WR, wlast = min(wfirst + WR - 1, qlast);

@@ -71,6 +71,19 @@ __device__ void mla_cache_row(T* cache, const T* kva, const float* gain, const f
 __device__ __forceinline__ float mla_w(const float* w, long i) { return w[i]; }
 __device__ __forceinline__ float mla_w(const bf16_t* w, long i) { return bf16_to_f32(w[i]); }
 
+// The rotation's cosines and sines of tokens [t0, t0 + nt) (nt <= 8), pair p of `half`, into
+// cs[i][p] and sn[i][p] (shared memory; the caller synchronizes before reading them).
+__device__ __forceinline__ void mla_angles(float (*cs)[MLA_MAXW / 2], float (*sn)[MLA_MAXW / 2],
+                                           const float* inv_freq, const int* positions, int t0, int nt, int half,
+                                           float rs) {
+    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
+        const int i = e / half, p = e % half;
+        const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
+        cs[i][p] = a.x;
+        sn[i][p] = a.y;
+    }
+}
+
 // The rope queries of tokens [t0, t0 + nt) (nt <= 8) of head h, rotated by position, into qf;
 // with `rows` instead their cache rows (RMS-normalized latent and rotated rope key; head 0 only,
 // other heads' blocks return). The rotation's sines and cosines (positions and frequencies are
@@ -83,12 +96,7 @@ __device__ void mla_q_rope(float* qf, const T* q, int heads, int nope, int dr, i
     const int W = r + dr, qk = nope + dr;
     __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
     const int half = dr / 2;
-    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
-        const int i = e / half, p = e % half;
-        const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
-        cs[i][p] = a.x;
-        sn[i][p] = a.y;
-    }
+    mla_angles(cs, sn, inv_freq, positions, t0, nt, half, rs);
     if (rows && h != 0) return;
     // each token's slot before the wait too
     long sl = 0;
@@ -1906,12 +1914,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_x_rope(bf16_t* q, bf16_t* 
     }
     __shared__ float cs[8][MLA_MAXW / 2], sn[8][MLA_MAXW / 2];
     const int half = dr / 2, qk = nope + dr;
-    for (int e = threadIdx.x; e < nt * half; e += blockDim.x) {
-        const int i = e / half, p = e % half;
-        const float2 a = mla_angle(inv_freq[p], positions[t0 + i], rs);
-        cs[i][p] = a.x;
-        sn[i][p] = a.y;
-    }
+    mla_angles(cs, sn, inv_freq, positions, t0, nt, half, rs);
     __syncthreads();
     pdl_wait();
     for (int e = threadIdx.x; e < nt * heads * half; e += blockDim.x) {
@@ -2007,13 +2010,7 @@ extern "C" __global__ void __launch_bounds__(MLX_THREADS, 1) mla_x_attn(
     }
     float o[MT][DV / 8][4];
     float mrow[MT][2], lrow[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-        for (int i = 0; i < DV / 8; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
-        mrow[mt][0] = mrow[mt][1] = NEG_INF;
-        lrow[mt][0] = lrow[mt][1] = 0.0f;
-    }
+    fw_init<DV, MT>(o, mrow, lrow);
     const int qrow0 = qfirst + warp * WR + (lane >> 2);
     const int wfirst = qfirst + warp * WR, wlast = min(wfirst + WR - 1, qlast);
     const bool active = warp * WR < qn;

@@ -700,10 +700,11 @@ pub(crate) fn attention(
 const X_NOPE: usize = 128;
 const X_ROPE: usize = 64;
 const X_V: usize = 128;
-/// Threads of a `mla_x_attn` block (`MLX_THREADS`) and of the gather's; most gather blocks.
+/// Threads of a `mla_x_attn` block (`MLX_THREADS`) and of the gather's; most gather blocks
+/// an SM.
 const X_THREADS: u32 = 128;
 const GATHER_THREADS: usize = 256;
-const GATHER_MAX_BLOCKS: usize = 132 * 16;
+const GATHER_BLOCKS_PER_SM: usize = 16;
 
 /// Whether the expanded-form kernels take this step: bf16 activations and kv_b, the head
 /// shape above, a positive scale (the flash-attention kernel scales raw maxima), work items
@@ -771,7 +772,9 @@ fn expanded(
         inner,
         gather,
         [
-            chunks.div_ceil(GATHER_THREADS).clamp(1, GATHER_MAX_BLOCKS) as u32,
+            chunks
+                .div_ceil(GATHER_THREADS)
+                .clamp(1, GATHER_BLOCKS_PER_SM * inner.module.sms.max(1)) as u32,
             1,
             1,
         ],

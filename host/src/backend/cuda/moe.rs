@@ -259,17 +259,12 @@ pub(crate) fn forward(
         cfg.norm_topk_prob as u64,
         cfg.scaling.to_bits() as u64,
     ]);
-    if route8 {
-        launch(
-            inner,
-            kern.moe_route8,
-            [n.div_ceil(ROUTE8_TOKENS) as u32, 1, 1],
-            ROUTE8_THREADS,
-            args,
-        );
+    let (route, blocks, threads) = if route8 {
+        (kern.moe_route8, n.div_ceil(ROUTE8_TOKENS), ROUTE8_THREADS)
     } else {
-        launch(inner, kern.moe_route, [n as u32, 1, 1], 1024, args);
-    }
+        (kern.moe_route, n, 1024)
+    };
+    launch(inner, route, [blocks as u32, 1, 1], threads, args);
     let offsets = inner.scratch(e + 1, 4)?;
     let rows = inner.scratch(nk, 4)?;
     let active = inner.scratch(e, 4)?;
