@@ -1476,6 +1476,40 @@ extern "C" __global__ void __launch_bounds__(ROWMMA_THREADS, ROWMMA_MINB)
 #define MOEG_PAD (MOEG_TK + 8)
 #define MOEG_THREADS 256
 
+// The tile of `TN` assignments grid block x takes, found by warp 0: a warp-wide scan of the
+// active experts' tile counts (an expert of c assignments has ceil(c / TN) tiles, numbered in
+// the active list's order). Sets the expert, its first assignment and the tile's count (0: no
+// tile, the block leaves).
+template <int TN>
+__device__ __forceinline__ void moeg_find_tile(const int* active, const int* n_active, const int* offsets, int lane,
+                                               int* s_e, int* s_t0, int* s_n) {
+    const int na = *n_active, tile = blockIdx.x;
+    int base = 0, found = 0;
+    for (int i0 = 0; i0 < na && !found; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < na ? active[i] : 0;
+        const int a0 = i < na ? offsets[e] : 0, c = i < na ? offsets[e + 1] - a0 : 0;
+        const int nt = (c + TN - 1) / TN;
+        int incl = nt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int excl = base + incl - nt;
+        const bool mine = nt > 0 && tile >= excl && tile < excl + nt;
+        if (mine) {
+            const int t0 = a0 + (tile - excl) * TN;
+            *s_e = e;
+            *s_t0 = t0;
+            *s_n = min(TN, a0 + c - t0);
+        }
+        found = __any_sync(0xffffffffu, mine);
+        base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0 && !found) *s_n = 0;
+}
+
 template <int NM>
 struct MoegStage {
     bf16_t w[NM][MOEG_TM][MOEG_PAD];
@@ -1491,34 +1525,7 @@ __device__ __forceinline__ void moeg_impl(OT* out, const bf16_t* x, const u64* w
     __shared__ int s_e, s_n, s_t0, s_a[MOEG_TN];
     PDL_ENTRY();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (warp == 0) {
-        // this block's tile: a warp-wide scan of the active experts' tile counts
-        const int na = *n_active, tile = blockIdx.x;
-        int base = 0, found = 0;
-        for (int i0 = 0; i0 < na && !found; i0 += 32) {
-            const int i = i0 + lane;
-            const int e = i < na ? active[i] : 0;
-            const int a0 = i < na ? offsets[e] : 0, c = i < na ? offsets[e + 1] - a0 : 0;
-            const int nt = (c + MOEG_TN - 1) / MOEG_TN;
-            int incl = nt;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += v;
-            }
-            const int excl = base + incl - nt;
-            const bool mine = nt > 0 && tile >= excl && tile < excl + nt;
-            if (mine) {
-                const int t0 = a0 + (tile - excl) * MOEG_TN;
-                s_e = e;
-                s_t0 = t0;
-                s_n = min(MOEG_TN, a0 + c - t0);
-            }
-            found = __any_sync(0xffffffffu, mine);
-            base += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        if (lane == 0 && !found) s_n = 0;
-    }
+    if (warp == 0) moeg_find_tile<MOEG_TN>(active, n_active, offsets, lane, &s_e, &s_t0, &s_n);
     __syncthreads();
     const int nn = s_n;
     if (nn == 0) return;
@@ -1614,3 +1621,187 @@ extern "C" __global__ void __launch_bounds__(MOEG_THREADS)
                 const int* offsets, const int* rows, int k, int inter, int d) {
     moeg_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, 1, inter, d);
 }
+
+// ---- Grouped expert GEMMs on Hopper's warpgroup MMA (sm_90a images only) ----
+//
+// moe_gu_wg / moe_dn_wg compute what moe_gu_gemm / moe_dn_gemm compute (same arguments) with
+// `wgmma` instead of `mma.sync`. A block takes MOEW_TT = 128 of one expert's assignments by 256
+// weight rows and walks k in stages of 64 values: each stage is 128 input rows and 256 weight
+// rows of 128 bytes, copied by cp.async into shared memory in the 128-byte swizzled layout the
+// tensor cores read (16-byte chunk c of row r at chunk c ^ (r % 8); 8-row groups 1,024 bytes
+// apart), MOEW_ST stages in flight. Warpgroup w multiplies the stage's weight rows
+// [128 w, 128 w + 128) (gate/up: 64 gate rows then the same 64 up rows, so a SwiGLU pair stays
+// in one thread; down: 128 rows) with the first 64 assignments and, where the tile has more,
+// the second 64 (m64n128k16, both operands from shared memory): a tile of few assignments
+// keeps both warpgroups busy. Each output is one sum over k in stage order (16-wide steps, as
+// mma.sync adds them: the same results as moe_gu_gemm / moe_dn_gemm in the GPU test). Row
+// lengths must be multiples of 64; 4 * 48 KB + 1 KB of dynamic shared memory (`MOE_WG_SMEM`
+// on the host).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOEW_TT 128
+#define MOEW_TR 256
+#define MOEW_ST 4
+#define MOEW_THREADS 256
+#define MOEW_STAGE ((MOEW_TT + MOEW_TR) * 128)
+
+// A shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups
+// 1,024 bytes apart (the leading offset is unused in this layout).
+__device__ __forceinline__ u64 wg_desc(u32 saddr) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d (64 x 128, f32) += A (64 x 16) * B (128 x 16)^T, both K-major in shared memory
+__device__ __forceinline__ void wg_mma_n128(float (&d)[64], u64 da, u64 db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                 "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                 "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(1));
+}
+
+// One stage of a moew block's copies: this thread's 16-byte chunk of rows rb + 32 i (`st`: the
+// stage plus the thread's swizzled chunk offset), from k0 on.
+__device__ __forceinline__ void moew_load(u8* st, int rb, const u8* const (&src)[12], const bool (&ok)[12], int k0) {
+#pragma unroll
+    for (int i = 0; i < 12; i++) cp_async16(st + (rb + 32 * i) * 128, src[i] + (long)k0 * 2, ok[i]);
+}
+
+// A moew block's k loop, with the second 64 assignments' products (TWO) or without: one loop
+// each, since a branch between the products would make the compiler wait for each.
+template <bool TWO>
+__device__ __forceinline__ void moew_loop(float (&acc0)[64], float (&acc1)[64], u8* st0, u32 sbase, int rb,
+                                          const u8* const (&src)[12], const bool (&ok)[12], int nk, int wgi) {
+#pragma unroll
+    for (int s = 0; s < MOEW_ST - 1; s++) {
+        if (s < nk) moew_load(st0 + s * MOEW_STAGE, rb, src, ok, s * 64);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        cp_async_wait_group<MOEW_ST - 2>();
+        fence_proxy_async();  // this thread's copies, seen by the tensor cores
+        wg_wait0();           // this warpgroup's products of the buffer refilled below are done
+        __syncthreads();
+        const int nx = kt + MOEW_ST - 1;
+        if (nx < nk) moew_load(st0 + (nx % MOEW_ST) * MOEW_STAGE, rb, src, ok, nx * 64);
+        cp_async_commit();
+        const u32 sb = sbase + (u32)((kt % MOEW_ST) * MOEW_STAGE);
+        const u64 da = wg_desc(sb), db = wg_desc(sb + (MOEW_TT + 128 * wgi) * 128);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            // a 16-value step is 32 bytes along the swizzled rows; the second 64 assignments
+            // start 8 KB on
+            wg_mma_n128(acc0, da + 2 * kk, db + 2 * kk);
+            if (TWO) wg_mma_n128(acc1, da + 512 + 2 * kk, db + 2 * kk);
+        }
+        wg_commit();
+    }
+    wg_wait0();
+}
+
+template <int NM, typename OT>
+__device__ __forceinline__ void moew_impl(OT* out, const bf16_t* x, const u64* w1s, const u64* w2s,
+                                          const int* active, const int* n_active, const int* offsets,
+                                          const int* rows, int xdiv, int cols, int out_rows) {
+    extern __shared__ __align__(16) u8 moew_dsm[];
+    __shared__ int s_e, s_n, s_t0, s_a[MOEW_TT];
+    PDL_ENTRY();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (warp == 0) moeg_find_tile<MOEW_TT>(active, n_active, offsets, lane, &s_e, &s_t0, &s_n);
+    __syncthreads();
+    const int nn = s_n;
+    if (nn == 0) return;
+    if (tid < MOEW_TT) s_a[tid] = tid < nn ? rows[s_t0 + tid] : 0;
+    __syncthreads();
+    // the stages from the first 1,024-byte boundary (the swizzle is of address bits)
+    const u32 sm0 = (u32)__cvta_generic_to_shared(moew_dsm);
+    const u32 sbase = (sm0 + 1023u) & ~1023u;
+    u8* stage0 = moew_dsm + (sbase - sm0);
+    // weight rows a block: gate/up 128 of each matrix, down 256; warpgroup w takes the stage's
+    // weight rows [128 w, 128 w + 128): gate/up rows r0 + 64 w.. of the gate, then of the up
+    // matrix (so SwiGLU pairs stay in one thread), down rows r0 + 128 w..
+    const int r0 = blockIdx.y * (NM == 2 ? MOEW_TR / 2 : MOEW_TR);
+    const long row_bytes = (long)cols * 2;
+    // this thread's copies a stage: chunk c of rows rb + 32 i (i < 4: inputs, then weights)
+    const int c = tid & 7, rb = tid >> 3;
+    const u32 dchunk = (u32)((c ^ (rb & 7)) << 4);
+    const u8* src[12];
+    bool ok[12];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int j = rb + 32 * i;
+        ok[i] = j < nn;
+        src[i] = reinterpret_cast<const u8*>(x + (long)(s_a[ok[i] ? j : 0] / xdiv) * cols) + c * 16;
+    }
+    const u8* w1 = reinterpret_cast<const u8*>(w1s[s_e]);
+    const u8* w2 = reinterpret_cast<const u8*>(w2s[s_e]);
+#pragma unroll
+    for (int i = 4; i < 12; i++) {
+        const int br = rb + 32 * (i - 4), within = br & 127;
+        const bool second = NM == 2 && within >= 64;
+        const int row = r0 + (NM == 2 ? 64 * (br >> 7) + (within & 63) : br);
+        ok[i] = row < out_rows;
+        src[i] = (second ? w2 : w1) + (ok[i] ? row : 0) * row_bytes + c * 16;
+    }
+    const int wgi = warp >> 2;
+    // the tile's second 64 assignments (block-uniform)
+    const bool two = nn > 64;
+    float acc0[64], acc1[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc0[i] = acc1[i] = 0.0f;
+    const int nk = cols / 64;
+    if (two)
+        moew_loop<true>(acc0, acc1, stage0 + dchunk, sbase, rb, src, ok, nk, wgi);
+    else
+        moew_loop<false>(acc0, acc1, stage0 + dchunk, sbase, rb, src, ok, nk, wgi);
+    // accumulator 4 i + q: assignment 16 (warp % 4) + lane / 4 + 8 (q / 2) of the 64 (acc1: of
+    // the second 64), weight column 8 i + 2 (lane % 4) + q % 2 of the warpgroup's 128
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        if (half == 1 && !two) break;
+        const float* acc = half ? acc1 : acc0;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int j = 64 * half + 16 * (warp & 3) + g + 8 * h;
+            if (j >= nn) continue;
+            OT* o = out + (long)s_a[j] * out_rows;
+#pragma unroll
+            for (int i = 0; i < (NM == 2 ? 8 : 16); i++)
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const int a = 4 * i + 2 * h + q;
+                    if (NM == 2) {
+                        const int row = r0 + 64 * wgi + 8 * i + 2 * t + q;
+                        if (row < out_rows) act_store(o, row, swiglu(acc[a], acc[a + 32]));
+                    } else {
+                        const int row = r0 + 128 * wgi + 8 * i + 2 * t + q;
+                        if (row < out_rows) act_store(o, row, acc[a]);
+                    }
+                }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MOEW_THREADS, 1)
+    moe_gu_wg(bf16_t* h, const bf16_t* x, const u64* gates, const u64* ups, const int* active, const int* n_active,
+              const int* offsets, const int* rows, int k, int d, int inter) {
+    moew_impl<2, bf16_t>(h, x, gates, ups, active, n_active, offsets, rows, k, d, inter);
+}
+
+extern "C" __global__ void __launch_bounds__(MOEW_THREADS, 1)
+    moe_dn_wg(float* y, const bf16_t* h, const u64* downs, const int* active, const int* n_active,
+              const int* offsets, const int* rows, int k, int inter, int d) {
+    moew_impl<1, float>(y, h, downs, downs, active, n_active, offsets, rows, 1, inter, d);
+}
+#endif

@@ -28,7 +28,7 @@ for t in $tests; do
     name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
     pack "$t" "$name"
 done
-# The kernels' machine code for the H200 (sm_90; DEEPINFER_PTX_ARCH picks another target, e.g.
+# The kernels' machine code for the H200 (sm_90a; DEEPINFER_PTX_ARCH picks another target, e.g.
 # compute_90 for PTX), compiled here when an NVRTC library can be found (DEEPINFER_NVRTC_DIR, or
 # LD_LIBRARY_PATH), so a fresh device machine skips NVRTC: gpu-run.sh puts it in the cache.
 mkdir -p "$out/ptx"
@@ -58,7 +58,7 @@ for tr in "${traces[@]}"; do
         tmp_cache=$(mktemp -d)
         if ptx=$(LD_LIBRARY_PATH="${nvrtc_dir:+$nvrtc_dir:}${LD_LIBRARY_PATH:-}" DEEPINFER_CACHE="$tmp_cache" \
             DEEPINFER_CUDA_TRACE="$tr" DEEPINFER_CUDA_DEFINE="$d" \
-            target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-sm_90}" 2>"$tmp_cache/err"); then
+            target/release/deepinfer dev ptx --arch "${DEEPINFER_PTX_ARCH:-sm_90a}" 2>"$tmp_cache/err"); then
             xz -T2 -6 -c "$ptx" >"$out/ptx/$(basename "$ptx").xz"
             echo "gpu-pack: kernels${tr:+ traced}${d:+ with $d}: $(basename "$ptx")" >&2
         else

@@ -5,7 +5,7 @@ no device: prints NVRTC's log and, with -Xptxas=-v, each kernel's registers and 
     python3 -m pip install --no-deps --target dev-out/nvrtc 'nvidia-cuda-nvrtc==13.0.*'
     LD_LIBRARY_PATH=dev-out/nvrtc/nvidia/cu13/lib scripts/nvrtc-check.py -Xptxas=-v
 
-Extra arguments are passed to NVRTC; the target defaults to sm_90 (--arch=ARCH picks another).
+Extra arguments are passed to NVRTC; the target defaults to sm_90a (--arch=ARCH picks another).
 """
 import ctypes
 import os
@@ -19,7 +19,7 @@ ORDER = ["common.cuh", "elementwise.cu", "gemv.cu", "gemt.cu", "attention_decode
 def main():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")
     args = [a for a in sys.argv[1:] if not a.startswith("--arch=")]
-    arch = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--arch=")), "sm_90")
+    arch = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--arch=")), "sm_90a")
     try:
         lib = ctypes.CDLL("libnvrtc.so.13")
     except OSError:

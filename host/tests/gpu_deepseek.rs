@@ -840,18 +840,27 @@ mod gpu {
         };
         let warp = cuda_set(Act::Bf16, |o| o.moe_mma = false);
         let rowmma = cuda_set(Act::Bf16, |o| o.moe_gemm = false);
+        // the tiled GEMMs on mma.sync where the default takes them on warpgroup MMA
+        let tiled = cuda_set(Act::Bf16, |o| o.moe_wg = false);
+        if mma.has_wgmma() {
+            eprintln!("the default's tiled GEMMs run on warpgroup MMA (sm_90a image)");
+        } else {
+            eprintln!("no sm_90a image: the default's tiled GEMMs run on mma.sync, as `tiled`");
+        }
         let cpu = CpuBackend::new(2);
         let mut rng = Rng::fresh("moe_mma");
         // the last two shapes' steps of 4 assignments an expert or more (rows of whole 64-value
-        // stages) take the tiled GEMMs, the last with partial row tiles; `rowmma` never does
+        // stages) take the tiled GEMMs, the last with partial row tiles; `rowmma` never does;
+        // 600 tokens give experts more than one tile of 128 assignments
         for (d, inter, e, top_k) in [(200, 72, 12, 5), (256, 128, 8, 2), (320, 192, 8, 2)] {
             let cfg = sigmoid_router(e, top_k, 2.0);
             let host = random_moe(&mut rng, e, d, inter, 2);
             let lm = host.bf16_layer(&mma, &cfg, d, inter, 2);
             let lw = host.bf16_layer(&warp, &cfg, d, inter, 2);
             let lr = host.bf16_layer(&rowmma, &cfg, d, inter, 2);
+            let lt = host.bf16_layer(&tiled, &cfg, d, inter, 2);
             let lc = host.bf16_layer(&cpu, &cfg, d, inter, 2);
-            for n in [9usize, 24, 70, 150, 300] {
+            for n in [9usize, 24, 70, 150, 300, 600] {
                 // bf16 inputs, so every backend multiplies the same values
                 let x: Vec<f32> = rng
                     .vec(n * d, 1.0)
@@ -867,17 +876,18 @@ mod gpu {
                 };
                 let (got, want) = (run(&mma, &lm), run(&warp, &lw));
                 let rows = run(&rowmma, &lr);
+                let tile = run(&tiled, &lt);
                 let mut host = vec![0.0; n * d];
                 cpu.moe(&lc, &x, &tokens, n, d, &mut host).unwrap();
                 let (ew, ec) = (max_err(&got, &want, d), max_err(&got, &host, d));
-                let er = max_err(&got, &rows, d);
+                let (er, et) = (max_err(&got, &rows, d), max_err(&got, &tile, d));
                 eprintln!(
-                    "d {d}, inter {inter}, {e} experts top {top_k}, {n} tokens: tensor cores vs one warp a row {ew:.2e}, vs the CPU {ec:.2e}, vs the row-streaming products {er:.2e} (one warp a row vs the CPU {:.2e})",
+                    "d {d}, inter {inter}, {e} experts top {top_k}, {n} tokens: tensor cores vs one warp a row {ew:.2e}, vs the CPU {ec:.2e}, vs the row-streaming products {er:.2e}, vs the mma.sync GEMMs {et:.2e} (one warp a row vs the CPU {:.2e})",
                     max_err(&want, &host, d)
                 );
                 assert!(
-                    ew < 2e-2 && ec < 3e-2 && er < 2e-2,
-                    "{n} tokens: {ew:e} {ec:e} {er:e}"
+                    ew < 2e-2 && ec < 3e-2 && er < 2e-2 && et < 2e-2,
+                    "{n} tokens: {ew:e} {ec:e} {er:e} {et:e}"
                 );
                 // the same routing kernel on both devices' backends (the CPU's routing can
                 // differ on a near tie of bf16 inputs; its outputs are checked above)

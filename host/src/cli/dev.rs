@@ -28,10 +28,10 @@ enum DevCommand {
 #[cfg(feature = "cuda")]
 #[derive(Debug, Args)]
 struct PtxArgs {
-    /// Target, as the GPU run picks it from the device: a real architecture (`sm_90` for
+    /// Target, as the GPU run picks it from the device: a real architecture (`sm_90a` for
     /// Hopper: machine code, loaded without the driver's JIT) or a virtual one
     /// (`compute_90`: PTX).
-    #[arg(long, default_value = "sm_90")]
+    #[arg(long, default_value = "sm_90a")]
     arch: String,
 }
 

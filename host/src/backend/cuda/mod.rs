@@ -159,6 +159,10 @@ pub struct CudaOptions {
     /// the tiled GEMMs were slower at 1.5 and faster from 6, doc/benchmarks.md;
     /// `DEEPINFER_CUDA_MOE_GEMM_MIN=N` sets another).
     pub moe_gemm_min: usize,
+    /// The tiled GEMMs on Hopper's warpgroup MMA (`moe_gu_wg`, `moe_dn_wg`: 128 assignments
+    /// by 256 weight rows a block, 4 stages) where the module is an `sm_90a` image;
+    /// `DEEPINFER_CUDA_MOE_WG=0` keeps `moe_gu_gemm` / `moe_dn_gemm`.
+    pub moe_wg: bool,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -340,6 +344,7 @@ impl Default for CudaOptions {
             absorb_mma: true,
             moe_gemm: true,
             moe_gemm_min: 4,
+            moe_wg: true,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -416,6 +421,7 @@ impl CudaOptions {
         o.mla_mma = !off("DEEPINFER_CUDA_MLA_MMA");
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
+        o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_MOE_GEMM_MIN") {
             o.moe_gemm_min = v.parse().map_err(|_| {
                 Error::BadConfig(format!(
@@ -720,6 +726,11 @@ impl CudaBackend {
     /// The activation type (fixed by the first buffer made).
     pub fn act(&self) -> Act {
         self.inner.act()
+    }
+
+    /// Whether the loaded kernels include Hopper's warpgroup-MMA ones (an `sm_90a` image).
+    pub fn has_wgmma(&self) -> bool {
+        self.inner.module.moe_wg.is_some()
     }
 
     /// Uploads f32 values as an activation buffer (tests, tools).

@@ -110,8 +110,10 @@ pub const ARCHS: [&str; 7] = [
 
 /// The real architectures [`target_for`] picks from: NVRTC writes their machine code (a
 /// cubin), which loads without the driver's JIT (tens of seconds for these kernels).
+/// Compute capability 9.0 takes `sm_90a`, whose machine code may use Hopper's own instructions
+/// (`wgmma`; the kernels that do are compiled only there) and runs on 9.0 devices alone.
 pub const SMS: [&str; 7] = [
-    "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120",
+    "sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100", "sm_120",
 ];
 
 /// The virtual architecture to compile for, from a compute capability.
@@ -135,7 +137,7 @@ pub fn target_for(major: i32, minor: i32) -> &'static str {
     let own = format!("sm_{major}{minor}");
     SMS.iter()
         .copied()
-        .find(|&s| s == own)
+        .find(|&s| s == own || (s.strip_suffix('a') == Some(&own)))
         .unwrap_or_else(|| arch_for(major, minor))
 }
 
@@ -447,6 +449,12 @@ pub const MOE_GEMM_THREADS: u32 = 256;
 pub const fn moe_gemm_smem(nm: usize) -> usize {
     2 * (nm * MOE_GEMM_ROWS + MOE_GEMM_TOKENS) * (MOE_GEMM_K + 8) * 2
 }
+/// The warpgroup-MMA expert GEMMs (`moe_gu_wg` / `moe_dn_wg`, `MOEW_*` in `kernels/moe.cu`):
+/// assignments a tile, weight rows a tile (gate/up: half of each matrix), and dynamic shared
+/// memory: 4 stages of 128 input rows and 256 weight rows of 128 bytes, and 1 KB to align them.
+pub const MOE_WG_TOKENS: usize = 128;
+pub const MOE_WG_ROWS: usize = 256;
+pub const MOE_WG_SMEM: usize = 4 * (MOE_WG_TOKENS + MOE_WG_ROWS) * 128 + 1024;
 
 /// The loaded module and its kernel ids.
 pub struct Module {
@@ -479,6 +487,8 @@ pub struct Module {
     /// The same products as tiled GEMMs for steps whose experts have many tokens each
     /// (prefill): gate/up with SwiGLU, and down.
     pub moe_gemm: [KernelId; 2],
+    /// The tiled GEMMs on warpgroup MMA (`moe_gu_wg`, `moe_dn_wg`): in `sm_90a` images only.
+    pub moe_wg: Option<[KernelId; 2]>,
     /// MLA on tensor cores (bf16): the split merge into bf16 latents, the V up-projection,
     /// the query absorption with the rope queries and cache rows, the split-KV decode, and its
     /// variant of 4 tokens a block.
@@ -514,11 +524,12 @@ impl Module {
         let target = target_for(major, minor);
         // A cubin the driver refuses (one written by a newer NVRTC than the driver knows, say)
         // falls back to PTX, which the driver's JIT compiles.
-        let module = match load_image(ctx, target) {
-            Ok(m) => m,
+        let (module, target_of_image) = match load_image(ctx, target) {
+            Ok(m) => (m, target),
             Err(e) if is_cubin(target) => {
                 tracing::warn!("{e}; using PTX instead");
-                load_image(ctx, arch_for(major, minor))?
+                let arch = arch_for(major, minor);
+                (load_image(ctx, arch)?, arch)
             }
             Err(e) => return Err(e),
         };
@@ -711,6 +722,11 @@ impl Module {
         let moe_plan2 = get("moe_plan2".into())?;
         let moe_mma = [get("moe_gu_mma".into())?, get("moe_dn_mma".into())?];
         let moe_gemm = [get("moe_gu_gemm".into())?, get("moe_dn_gemm".into())?];
+        let moe_wg = if target_of_image.starts_with("sm_90a") {
+            Some([get("moe_gu_wg".into())?, get("moe_dn_wg".into())?])
+        } else {
+            None
+        };
         let mla_mma = [
             get("mla_merge".into())?,
             get("mla_v_mma".into())?,
@@ -757,6 +773,7 @@ impl Module {
                 (moe_gemm[0], moe_gemm_smem(2)),
                 (moe_gemm[1], moe_gemm_smem(1)),
             ])
+            .chain(moe_wg.into_iter().flatten().map(|k| (k, MOE_WG_SMEM)))
             .chain(
                 [&f32, &bf16]
                     .iter()
@@ -813,6 +830,7 @@ impl Module {
             moe_plan2,
             moe_mma,
             moe_gemm,
+            moe_wg,
             mla_mma,
             mla_x,
             gemt,
@@ -956,6 +974,13 @@ mod tests {
                 "{name} missing from the PTX"
             );
         }
+        // the warpgroup-MMA kernels exist for the arch-specific Hopper target only
+        let ptx_a = String::from_utf8(compile("compute_90a").expect("kernels compile")).unwrap();
+        for name in ["moe_gu_wg", "moe_dn_wg"] {
+            assert!(ptx_a.contains(&format!(".entry {name}(")), "{name}");
+            assert!(!ptx.contains(&format!(".entry {name}(")), "{name}");
+        }
+        assert!(ptx_a.contains("wgmma.mma_async"));
     }
 
     #[test]
@@ -993,7 +1018,7 @@ mod tests {
 
     #[test]
     fn arch_names() {
-        assert_eq!(target_for(9, 0), "sm_90");
+        assert_eq!(target_for(9, 0), "sm_90a");
         assert_eq!(target_for(12, 0), "sm_120");
         assert_eq!(target_for(12, 1), "compute_90");
         assert!(is_cubin("sm_90") && !is_cubin("compute_90"));

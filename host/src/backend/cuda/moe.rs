@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::device::{cuda_err, DevMem};
 use super::module::{
     moe_gemm_smem, KernelId, Module, MOE_GEMM_K, MOE_GEMM_ROWS, MOE_GEMM_THREADS, MOE_GEMM_TOKENS,
-    ROWMMA_ROWS, ROWMMA_THREADS,
+    MOE_WG_ROWS, MOE_WG_SMEM, MOE_WG_TOKENS, ROWMMA_ROWS, ROWMMA_THREADS,
 };
 use super::ops::{check, launch};
 use super::queue::Op;
@@ -310,27 +310,44 @@ pub(crate) fn forward(
         && d.is_multiple_of(MOE_GEMM_K)
         && inter.is_multiple_of(MOE_GEMM_K)
         && moe_gemm_smem(2) <= inner.module.max_smem;
-    let (gateup, down, rows_per_block, threads, blocks, smem) = if gemm {
+    // on Hopper's warpgroup MMA where the module has it (an sm_90a image)
+    let wg = inner
+        .module
+        .moe_wg
+        .filter(|_| gemm && inner.opts.moe_wg && MOE_WG_SMEM <= inner.module.max_smem);
+    // kernels, weight rows a block of each (gate/up: of each matrix), threads, blocks, smem
+    let (gateup, down, rows_per_block, threads, blocks, smem) = if let Some([gu, dn]) = wg {
+        let tiles = (nk.div_ceil(MOE_WG_TOKENS) + slots as usize) as u32;
+        let sm = MOE_WG_SMEM as u32;
+        (
+            gu,
+            dn,
+            [MOE_WG_ROWS / 2, MOE_WG_ROWS],
+            MOE_GEMM_THREADS,
+            tiles,
+            [sm, sm],
+        )
+    } else if gemm {
         // an upper bound of the active experts' tiles; the rest of the blocks leave at once
         let tiles = (nk.div_ceil(MOE_GEMM_TOKENS) + slots as usize) as u32;
         let [gu, dn] = inner.module.moe_gemm;
         let sm = [moe_gemm_smem(2) as u32, moe_gemm_smem(1) as u32];
-        (gu, dn, MOE_GEMM_ROWS, MOE_GEMM_THREADS, tiles, sm)
+        (gu, dn, [MOE_GEMM_ROWS; 2], MOE_GEMM_THREADS, tiles, sm)
     } else if mma {
         let [gu, dn] = inner.module.moe_mma;
-        (gu, dn, ROWMMA_ROWS, ROWMMA_THREADS, slots, [0, 0])
+        (gu, dn, [ROWMMA_ROWS; 2], ROWMMA_THREADS, slots, [0, 0])
     } else {
         (
             kern.moe_gateup[st.wi][ti],
             kern.moe_down[st.wi][ti],
-            ROWS_PER_BLOCK,
+            [ROWS_PER_BLOCK; 2],
             (ROWS_PER_BLOCK * 32) as u32,
             slots,
             [0, 0],
         )
     };
     // a launch of `out_rows` rows a group of assignments
-    let push = |kernel, out_rows: usize, smem, args| {
+    let push = |kernel, out_rows: usize, rows_per_block: usize, smem, args| {
         inner.push(Op::Launch {
             kernel,
             grid: [blocks, out_rows.div_ceil(rows_per_block) as u32, 1],
@@ -342,6 +359,7 @@ pub(crate) fn forward(
     push(
         gateup,
         inter,
+        rows_per_block[0],
         smem[0],
         vec![
             h.ptr(),
@@ -361,6 +379,7 @@ pub(crate) fn forward(
     push(
         down,
         d,
+        rows_per_block[1],
         smem[1],
         vec![
             y.ptr(),
