@@ -379,6 +379,15 @@ impl CudaOptions {
             }
         }
         let off = |k: &str| std::env::var(k).map(|v| v == "0").unwrap_or(false);
+        // a whole-number bound from `k` where it is set (`what`: its unit, for the error)
+        let count = |k: &str, what: &str, into: &mut usize| -> Result<()> {
+            if let Ok(v) = std::env::var(k) {
+                *into = v.parse().map_err(|_| {
+                    Error::BadConfig(format!("{k}={v}: expected a whole number of {what}"))
+                })?;
+            }
+            Ok(())
+        };
         o.graphs = !off("DEEPINFER_CUDA_GRAPHS");
         o.fuse = !off("DEEPINFER_CUDA_FUSE");
         o.pdl = !off("DEEPINFER_CUDA_PDL");
@@ -422,24 +431,16 @@ impl CudaOptions {
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
         o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
-        if let Ok(v) = std::env::var("DEEPINFER_CUDA_MOE_GEMM_MIN") {
-            o.moe_gemm_min = v.parse().map_err(|_| {
-                Error::BadConfig(format!(
-                    "DEEPINFER_CUDA_MOE_GEMM_MIN={v}: expected a whole number of assignments"
-                ))
-            })?;
-        }
+        count(
+            "DEEPINFER_CUDA_MOE_GEMM_MIN",
+            "assignments",
+            &mut o.moe_gemm_min,
+        )?;
         o.decode_mma = !off("DEEPINFER_CUDA_DECODE_MMA");
         o.decode_mma4 = !off("DEEPINFER_CUDA_DECODE_MMA4");
         o.mla_expand = !off("DEEPINFER_CUDA_MLA_EXPAND");
         o.moe_many = !off("DEEPINFER_CUDA_MOE_MANY");
-        if let Ok(v) = std::env::var("DEEPINFER_CUDA_ROUTE8_MIN") {
-            o.route8_min = v.parse().map_err(|_| {
-                Error::BadConfig(format!(
-                    "DEEPINFER_CUDA_ROUTE8_MIN={v}: expected a whole number of tokens"
-                ))
-            })?;
-        }
+        count("DEEPINFER_CUDA_ROUTE8_MIN", "tokens", &mut o.route8_min)?;
         o.fuse_layer = std::env::var("DEEPINFER_CUDA_FUSE_LAYER").is_ok_and(|v| v == "1");
         if let Ok(v) = std::env::var("DEEPINFER_CUDA_DS2") {
             o.ds2 = Ds2::parse(&v)?;
