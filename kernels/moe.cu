@@ -1510,6 +1510,22 @@ __device__ __forceinline__ void moeg_find_tile(const int* active, const int* n_a
     if (lane == 0 && !found) *s_n = 0;
 }
 
+// Every thread of the block: the block's tile (moeg_find_tile) and, where it has one, its
+// assignments' rows in `s_a` (zero past the count). Returns the tile's count, the same in
+// every thread; 0: no tile, and `s_a` is not written.
+template <int TN>
+__device__ __forceinline__ int moeg_tile(const int* active, const int* n_active, const int* offsets, const int* rows,
+                                         int* s_e, int* s_t0, int* s_n, int* s_a) {
+    const int tid = threadIdx.x;
+    if ((tid >> 5) == 0) moeg_find_tile<TN>(active, n_active, offsets, tid & 31, s_e, s_t0, s_n);
+    __syncthreads();
+    const int nn = *s_n;
+    if (nn == 0) return 0;
+    if (tid < TN) s_a[tid] = tid < nn ? rows[*s_t0 + tid] : 0;
+    __syncthreads();
+    return nn;
+}
+
 template <int NM>
 struct MoegStage {
     bf16_t w[NM][MOEG_TM][MOEG_PAD];
@@ -1525,12 +1541,8 @@ __device__ __forceinline__ void moeg_impl(OT* out, const bf16_t* x, const u64* w
     __shared__ int s_e, s_n, s_t0, s_a[MOEG_TN];
     PDL_ENTRY();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (warp == 0) moeg_find_tile<MOEG_TN>(active, n_active, offsets, lane, &s_e, &s_t0, &s_n);
-    __syncthreads();
-    const int nn = s_n;
+    const int nn = moeg_tile<MOEG_TN>(active, n_active, offsets, rows, &s_e, &s_t0, &s_n, s_a);
     if (nn == 0) return;
-    if (tid < MOEG_TN) s_a[tid] = tid < nn ? rows[s_t0 + tid] : 0;
-    __syncthreads();
     const int r0 = blockIdx.y * MOEG_TM;
     const u8* wbase[NM];
     wbase[0] = reinterpret_cast<const u8*>(w1s[s_e]);
@@ -1717,12 +1729,8 @@ __device__ __forceinline__ void moew_impl(OT* out, const bf16_t* x, const u64* w
     __shared__ int s_e, s_n, s_t0, s_a[MOEW_TT];
     PDL_ENTRY();
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (warp == 0) moeg_find_tile<MOEW_TT>(active, n_active, offsets, lane, &s_e, &s_t0, &s_n);
-    __syncthreads();
-    const int nn = s_n;
+    const int nn = moeg_tile<MOEW_TT>(active, n_active, offsets, rows, &s_e, &s_t0, &s_n, s_a);
     if (nn == 0) return;
-    if (tid < MOEW_TT) s_a[tid] = tid < nn ? rows[s_t0 + tid] : 0;
-    __syncthreads();
     // the stages from the first 1,024-byte boundary (the swizzle is of address bits)
     const u32 sm0 = (u32)__cvta_generic_to_shared(moew_dsm);
     const u32 sbase = (sm0 + 1023u) & ~1023u;
