@@ -1247,6 +1247,123 @@ __device__ __forceinline__ u32 moe_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Warp 0's pick of one token's K experts from its E <= 64 logits (v0: expert lane's, v1:
+// expert lane + 32's; b0, b1 their correction biases, which count for the choice only): scores,
+// top k by k rounds of a warp max (redux.sync), weights normalized when `norm`, then scaled;
+// the experts' ids into cid[0, K), their weights into cw.
+__device__ __forceinline__ void moe_pick1(float v0, float v1, float b0, float b1, int E, int K, int score, int norm,
+                                          float scaling, int* cid, float* cw) {
+    const int lane = threadIdx.x & 31;
+    const bool ok0 = lane < E, ok1 = lane + 32 < E;
+    if (score == SCORE_SOFTMAX) {
+        float mx = NEG_INF;
+        if (ok0) mx = fmaxf(mx, v0);
+        if (ok1) mx = fmaxf(mx, v1);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        if (ok0) sum += expf(v0 - mx);
+        if (ok1) sum += expf(v1 - mx);
+        sum = warp_sum(sum);
+        v0 = expf(v0 - mx) / sum;
+        v1 = expf(v1 - mx) / sum;
+    } else {
+        v0 = moe_score(score, v0);
+        v1 = moe_score(score, v1);
+    }
+    u32 k0 = ok0 ? moe_key(v0 + b0) : 0u, k1 = ok1 ? moe_key(v1 + b1) : 0u;
+    int my_id = 0;
+    float my_w = 0.0f;
+    for (int j = 0; j < K; j++) {
+        const u32 m = moe_redux_max(max(k0, k1));
+        const u32 win = moe_redux_min(k0 == m ? (u32)lane : k1 == m ? (u32)lane + 32u : 0xffffffffu);
+        const float w = __shfl_sync(0xffffffffu, win < 32u ? v0 : v1, (int)(win & 31u));
+        if (win == (u32)lane) k0 = 0u;
+        if (win == (u32)lane + 32u) k1 = 0u;
+        if (lane == j) {
+            my_id = (int)win;
+            my_w = w;
+        }
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < K; j++) sum += __shfl_sync(0xffffffffu, my_w, j);
+    if (norm) my_w /= sum + 1e-20f;
+    if (lane < K) {
+        cid[lane] = my_id;
+        cw[lane] = my_w * scaling;
+    }
+}
+
+// Whether expert e is among the K picked (cid, cw from moe_pick1): 1 with its slot s (the
+// picked experts in id order) and weight w, else 0.
+__device__ __forceinline__ int moe_picked(const int* cid, const float* cw, int K, int e, int& s, float& w) {
+    int c = 0;
+    s = 0;
+    w = 0.0f;
+    for (int j = 0; j < K; j++) {
+        const int id = cid[j];
+        s += id < e;
+        if (id == e) {
+            c = 1;
+            w = cw[j];
+        }
+    }
+    return c;
+}
+
+// One token's routing prologue as moe_route1c and moe_ffn1 take it (256 threads, chunk tid of
+// the row a thread). Before the programmatic wait, what no kernel writes: thread tid's 8 norm
+// gains, expert tid's weight addresses, in warp 0 the correction biases of experts lane and
+// lane + 32. After it, chunk tid of x normalized when `gain` is given (the RMSNorm folded in:
+// the 8 warps' sums through red[w * rs], `bar` the barrier of the 256 threads), rounded as the
+// activations store it, block b of the grid writing the chunks tid = b (mod grid) of `h`.
+struct MoeTok1 {
+    float g8[8];
+    u64 ptr[3];
+    float b0, b1;
+};
+__device__ __forceinline__ void moe_tok1_pre(MoeTok1& t, const float* gain, const u64* ptrs, const float* bias, int E,
+                                             bool mine) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int j = 0; j < 8; j++) t.g8[j] = gain != nullptr && mine ? gain[tid * 8 + j] : 0.0f;
+    t.ptr[0] = t.ptr[1] = t.ptr[2] = 0;
+    if (tid < E) {
+        t.ptr[0] = ptrs[tid];
+        t.ptr[1] = ptrs[E + tid];
+        t.ptr[2] = ptrs[2 * E + tid];
+    }
+    t.b0 = t.b1 = 0.0f;
+    if (warp == 0 && bias != nullptr) {
+        if (lane < E) t.b0 = bias[lane];
+        if (lane + 32 < E) t.b1 = bias[lane + 32];
+    }
+}
+template <typename T, typename Bar>
+__device__ __forceinline__ void moe_tok1_norm(float (&xv)[8], const MoeTok1& t, const T* x, T* h, const float* gain,
+                                              float eps, int d, bool mine, float* red, int rs, Bar bar) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int j = 0; j < 8; j++) xv[j] = 0.0f;
+    if (mine) act_load8(x + (long)tid * 8, xv);
+    if (gain == nullptr) return;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) ss = fmaf(xv[j], xv[j], ss);
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp * rs] = ss;
+    bar();
+    float sum = 0.0f;
+    for (int w = 0; w < 8; w++) sum += red[w * rs];
+    const float rstd = 1.0f / sqrtf(sum / (float)d + eps);
+#pragma unroll
+    for (int j = 0; j < 8; j++) xv[j] = act_round(x, xv[j] * rstd * t.g8[j]);
+    // this block's share of the normalized row, as the RMSNorm kernel writes it
+    if (mine && tid % gridDim.x == blockIdx.x)
+#pragma unroll
+        for (int j = 0; j < 8; j++) act_store(h, (long)tid * 8 + j, xv[j]);
+    bar();  // red is reused
+}
+
 template <typename T>
 __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, float* slot_wt,
                                 unsigned long long* totals, unsigned* last, T* h, const T* x, const float* gain,
@@ -1262,45 +1379,13 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
     const bool mine = tid < nch;
     uint4 graw[MOED_EPBC][2];
     moe_gate_first<MOED_EPBC>(graw, gate, gate_wt, gate_row_bytes, e0, ne, mine);
-    float g8[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) g8[j] = gain != nullptr && mine ? gain[tid * 8 + j] : 0.0f;
-    u64 my_ptr[3] = {0, 0, 0};
-    if (tid < E) {
-        my_ptr[0] = ptrs[tid];
-        my_ptr[1] = ptrs[E + tid];
-        my_ptr[2] = ptrs[2 * E + tid];
-    }
-    float b0 = 0.0f, b1 = 0.0f;
-    if (warp == 0 && bias != nullptr) {
-        if (lane < E) b0 = bias[lane];
-        if (lane + 32 < E) b1 = bias[lane + 32];
-    }
+    MoeTok1 t;
+    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
     pdl_wait();
     pdl_launch_dependents();
     const unsigned long long my_total = tid < E ? totals[tid] : 0ull;
     float xv[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) xv[j] = 0.0f;
-    if (mine) act_load8(x + (long)tid * 8, xv);
-    if (gain != nullptr) {
-        float ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) ss = fmaf(xv[j], xv[j], ss);
-        ss = warp_sum(ss);
-        if (lane == 0) red[warp][0] = ss;
-        __syncthreads();
-        float sum = 0.0f;
-        for (int w = 0; w < MOED_THREADS / 32; w++) sum += red[w][0];
-        const float rstd = 1.0f / sqrtf(sum / (float)d + eps);
-#pragma unroll
-        for (int j = 0; j < 8; j++) xv[j] = act_round(x, xv[j] * rstd * g8[j]);
-        // this block's share of the normalized row, as the RMSNorm kernel writes it
-        if (mine && tid % gridDim.x == blockIdx.x)
-#pragma unroll
-            for (int j = 0; j < 8; j++) act_store(h, (long)tid * 8 + j, xv[j]);
-        __syncthreads();  // red is reused
-    }
+    moe_tok1_norm(xv, t, x, h, gain, eps, d, mine, &red[0][0], MOED_EPBC, [] { __syncthreads(); });
     di_trace_phase(0);
     float acc[MOED_EPBC];
 #pragma unroll
@@ -1330,65 +1415,21 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
     cluster_sync();
     if (blockIdx.x != 0) return;
     di_trace_phase(2);
-    if (warp == 0) {
-        const bool ok0 = lane < E, ok1 = lane + 32 < E;
-        float v0 = ok0 ? lg[lane] : 0.0f, v1 = ok1 ? lg[lane + 32] : 0.0f;
-        if (score == SCORE_SOFTMAX) {
-            float mx = NEG_INF;
-            if (ok0) mx = fmaxf(mx, v0);
-            if (ok1) mx = fmaxf(mx, v1);
-            mx = warp_max(mx);
-            float sum = 0.0f;
-            if (ok0) sum += expf(v0 - mx);
-            if (ok1) sum += expf(v1 - mx);
-            sum = warp_sum(sum);
-            v0 = expf(v0 - mx) / sum;
-            v1 = expf(v1 - mx) / sum;
-        } else {
-            v0 = moe_score(score, v0);
-            v1 = moe_score(score, v1);
-        }
-        u32 k0 = ok0 ? moe_key(v0 + b0) : 0u, k1 = ok1 ? moe_key(v1 + b1) : 0u;
-        int my_id = 0;
-        float my_w = 0.0f;
-        for (int j = 0; j < K; j++) {
-            const u32 m = moe_redux_max(max(k0, k1));
-            const u32 win = moe_redux_min(k0 == m ? (u32)lane : k1 == m ? (u32)lane + 32u : 0xffffffffu);
-            const float w = __shfl_sync(0xffffffffu, win < 32u ? v0 : v1, (int)(win & 31u));
-            if (win == (u32)lane) k0 = 0u;
-            if (win == (u32)lane + 32u) k1 = 0u;
-            if (lane == j) {
-                my_id = (int)win;
-                my_w = w;
-            }
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < K; j++) sum += __shfl_sync(0xffffffffu, my_w, j);
-        if (norm) my_w /= sum + 1e-20f;
-        if (lane < K) {
-            cid[lane] = my_id;
-            cw[lane] = my_w * scaling;
-        }
-    }
+    if (warp == 0)
+        moe_pick1(lane < E ? lg[lane] : 0.0f, lane + 32 < E ? lg[lane + 32] : 0.0f, t.b0, t.b1, E, K, score, norm,
+                  scaling, cid, cw);
     __syncthreads();
     di_trace_phase(3);
     if (tid < E) {
-        int s = 0, c = 0;
-        float w = 0.0f;
-        for (int j = 0; j < K; j++) {
-            const int id = cid[j];
-            s += id < tid;
-            if (id == tid) {
-                c = 1;
-                w = cw[j];
-            }
-        }
+        int s;
+        float w;
+        const int c = moe_picked(cid, cw, K, tid, s, w);
         last[tid] = (unsigned)c;
         totals[tid] = my_total + (unsigned long long)c;
         if (c) {
-            slot_ptr[3 * s] = my_ptr[0];
-            slot_ptr[3 * s + 1] = my_ptr[1];
-            slot_ptr[3 * s + 2] = my_ptr[2];
+            slot_ptr[3 * s] = t.ptr[0];
+            slot_ptr[3 * s + 1] = t.ptr[1];
+            slot_ptr[3 * s + 2] = t.ptr[2];
             slot_cnt[s] = 1;
             slot_tok[s * MOED_MAXN] = 0;
             slot_wt[s * MOED_MAXN] = w;
@@ -1404,6 +1445,296 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
         moe_route1_impl<T>(slot_ptr, slot_cnt, slot_tok, slot_wt, totals, last, h, x, gain, eps, gate, gate_wt,      \
                            gate_row_bytes, bias, ptrs, d, E, K, score, norm, scaling, n_slots);                      \
     }
+
+// ---- One token's MoE layer in one persistent launch (moe_ffn1) ----
+//
+// The routing, the experts' gate/up products and their down products of a one-token step
+// (bf16 weights and activations) in one launch of a block an SM, every block resident at once
+// (the host checks), so the phases meet at grid-wide counters instead of kernel boundaries
+// and the weights never stop streaming: each block's producer warp copies its share of the
+// weights, unit by unit, into shared-memory pages by bulk copies (the tensor-copy engine) as
+// soon as a page is free, whatever the consumers are waiting for, while its eight consumer
+// warps take the units in turn (each from a ring of pages of its own):
+//   1. (before the programmatic wait) the producer starts on the shared experts' gate/up rows,
+//      which need no routing; the consumers load their block's router row;
+//   2. every block normalizes the token (the RMSNorm before the layer, when folded in) and
+//      block e < E computes expert e's logit; once all E are counted (cnt[0]) each block picks
+//      the top k itself (moe_pick1, the sums and order of moe_route1c, so the same experts)
+//      and hands the picked experts' addresses to its producer (mbarrier `route`);
+//   3. gate/up: a unit is one row pair (gate row r and up row r of one slot); the warp's dot
+//      products go into act[slot, r] = silu(g) * u, with the sums in moe_gu_dec's order;
+//   4. once every block's gate/up units are counted (cnt[1]), each block copies act into
+//      shared memory and takes output rows [2 p, 2 p + 2) for its row pairs p, a unit being
+//      one slot's two down rows, shared slots first: out[r] = sum_slots w * (down[r] . act),
+//      in moe_down_dec's order, and res[r] += out[r] when asked;
+//   5. the last block out leaves the counters zeroed (cnt[2] counts the blocks done).
+// Slots: the picked experts in id order [0, K), then the shared experts' `inter`-row slots.
+#define MOEF_WARPS 8                          // consumer warps
+#define MOEF_THREADS (32 * MOEF_WARPS + 32)   // and the producer warp
+#define MOEF_MAXP 32                          // most ring pages (a multiple of MOEF_WARPS)
+#define MOEF_MAXJ 8                           // 16-byte chunks a lane of a hidden row (<= 2048)
+#define MOEF_MAXIJ 8                          // ... of an expert row (inter <= 2048)
+#define MOEF_MAXS 48                          // most slots (top k <= 32, 16 shared)
+
+__device__ __forceinline__ void moef_bar() { asm volatile("bar.sync 1, %0;" ::"n"(32 * MOEF_WARPS) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
+    bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
+    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
+    const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
+    int page) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 moef_smem[];
+    __shared__ __align__(8) u64 bars[2 * MOEF_MAXP + 1];
+    __shared__ __align__(16) float hs[MOEF_MAXJ * 256];
+    __shared__ float red[MOEF_WARPS];
+    __shared__ int cid[32];
+    __shared__ float cw[32];
+    __shared__ u64 sel[32][3];
+    __shared__ float selw[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = gridDim.x, b = blockIdx.x, S = K + n_shared;
+    const u32 ring = (u32)__cvta_generic_to_shared(moef_smem);
+    const u32 full0 = (u32)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * np, route = full0 + 16 * np;
+    // Consumer warp w owns pages [w ppw, (w + 1) ppw) and takes its units in order, its i-th
+    // in page w ppw + i % ppw: a page's barriers are then never more than one phase apart
+    // from what its one consumer waits for (a ring shared by warps that take units out of
+    // order would let a warp far ahead see an old phase of the same parity as done).
+    const int ppw = np / MOEF_WARPS;
+    bf16_t* acts = reinterpret_cast<bf16_t*>(moef_smem + (long)np * page);
+    // this block's units: shared and routed gate/up row pairs, then its down row pairs by slot
+    const long ush = (long)n_shared * inter, urt = (long)K * inter;
+    const long sh0 = ush * b / G, nsh = ush * (b + 1) / G - sh0;
+    const long rt0 = urt * b / G, nrt = urt * (b + 1) / G - rt0;
+    const int rp0 = (d / 2) * b / G, nrp = (d / 2) * (b + 1) / G - rp0;
+    const int ngu = (int)(nsh + nrt);
+    // gate/up unit u goes to warp u % 8 (its (u / 8)-th); down row pair p to warp p % 8, whose
+    // units carry on from its gate/up ones
+    auto ngu_of = [&](int w) { return ngu > w ? (ngu - w + MOEF_WARPS - 1) / MOEF_WARPS : 0; };
+    if (tid == 0) {
+        for (int p = 0; p < np; p++) {
+            mbar_init(full0 + 8 * p, 1);
+            mbar_init(empty0 + 8 * p, 1);
+        }
+        mbar_init(route, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == MOEF_WARPS) {
+        // The producer: the block's units in one order (each warp's own in the order it takes
+        // them), warp w's i-th into page w ppw + i % ppw once the unit ppw before it there is
+        // done. (Serving the warps in turn, each whenever its next page is free, by polling
+        // the barriers was slower: 2.96-3.00 ms a step against 2.33-2.38.)
+        if (lane != 0) return;
+        auto put = [&](int w, int i, const bf16_t* p0, const bf16_t* p1, u32 bytes) {
+            const int pg = w * ppw + i % ppw;
+            if (i >= ppw) mbar_wait(empty0 + 8 * pg, (u32)((i / ppw - 1) & 1));
+            const u32 dst = ring + (u32)(pg * page);
+            mbar_arrive_tx(full0 + 8 * pg, 2 * bytes);
+            bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
+            bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
+        };
+        const u32 rb = (u32)d * 2, db = (u32)inter * 2;
+        for (int u = 0; u < nsh; u++) put(u % MOEF_WARPS, u / MOEF_WARPS, sh_gate + (sh0 + u) * d, sh_up + (sh0 + u) * d, rb);
+        mbar_wait(route, 0);
+        for (int u = (int)nsh; u < ngu; u++) {
+            const long j = rt0 + (u - nsh), s = j / inter, r = j % inter;
+            put(u % MOEF_WARPS, u / MOEF_WARPS, reinterpret_cast<const bf16_t*>(sel[s][0]) + r * d,
+                reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d, rb);
+        }
+        // the warps' down units taken in turn (each warp's in its order: row pairs, then
+        // slots), so every warp has pages in flight
+        for (int m = 0; m * MOEF_WARPS < nrp; m++)
+            for (int q = 0; q < S; q++)
+                for (int wp = 0; wp < MOEF_WARPS && m * MOEF_WARPS + wp < nrp; wp++) {
+                    const long r = 2L * (rp0 + m * MOEF_WARPS + wp);
+                    const bf16_t* w = q < n_shared
+                                          ? sh_down + r * ush + (long)q * inter
+                                          : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
+                    put(wp, ngu_of(wp) + m * S + q, w, w + (q < n_shared ? ush : inter), db);
+                }
+        return;
+    }
+    // the consumers (256 threads: the routing's chunk a thread, as moe_route1c)
+    const int nch = d >> 3, ich = inter >> 3;
+    const bool mine = tid < nch;
+    uint4 graw[1][2];
+    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
+    MoeTok1 t;
+    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
+    pdl_wait();
+    const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
+    float xv[8];
+    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { moef_bar(); });
+    if (mine) {
+        *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
+    }
+    if (b < E) {
+        float acc = 0.0f;
+        if (mine) {
+            float wv[8];
+            moe_gate_cvt(gate_wt, graw[0], wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc = fmaf(xv[j], wv[j], acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) red[warp] = acc;
+    }
+    moef_bar();
+    if (b < E && tid == 0) {
+        float v = 0.0f;
+        for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
+        logits[b] = v;
+        __threadfence();
+        atomicAdd(&cnt[0], 1u);
+    }
+    di_trace_phase(0);
+    // this lane's chunks of the normalized row (chunk lane + 32 j)
+    float hr[MOEF_MAXJ][8];
+#pragma unroll
+    for (int j = 0; j < MOEF_MAXJ; j++) {
+        const int c = lane + 32 * j;
+#pragma unroll
+        for (int k = 0; k < 8; k++) hr[j][k] = c < nch ? hs[c * 8 + k] : 0.0f;
+    }
+    if (tid == 0)
+        while (ld_acquire_u32(&cnt[0]) < (u32)E) __nanosleep(32);
+    moef_bar();
+    if (warp == 0) {
+        const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
+        moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
+    }
+    moef_bar();
+    if (tid < E) {
+        int s;
+        float w;
+        const int c = moe_picked(cid, cw, K, tid, s, w);
+        if (c) {
+            sel[s][0] = t.ptr[0];
+            sel[s][1] = t.ptr[1];
+            sel[s][2] = t.ptr[2];
+            selw[s] = w;
+        }
+        if (b == 0) {
+            last[tid] = (unsigned)c;
+            totals[tid] = my_total + (unsigned long long)c;
+        }
+    }
+    moef_bar();
+    di_trace_phase(1);
+    if (tid == 0) mbar_arrive(route);
+    // gate/up: unit u by warp u % 8
+    for (int u = warp; u < ngu; u += MOEF_WARPS) {
+        const int i = u / MOEF_WARPS, pg = warp * ppw + i % ppw;
+        mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
+        const bf16_t* wg = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
+        const bf16_t* wu = wg + d;
+        // the 16 partial sums first, then their butterflies side by side (warp_sum's order):
+        // independent chains, where one sum after another would leave the warp waiting
+        float a[MOEF_MAXJ], e[MOEF_MAXJ];
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            const int c = lane + 32 * j;
+            a[j] = e[j] = 0.0f;
+            if (c < nch) {
+                float wf[8];
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wg + c * 8), wf);
+#pragma unroll
+                for (int k = 0; k < 8; k++) a[j] = fmaf(wf[k], hr[j][k], a[j]);
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wu + c * 8), wf);
+#pragma unroll
+                for (int k = 0; k < 8; k++) e[j] = fmaf(wf[k], hr[j][k], e[j]);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * pg);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int j = 0; j < MOEF_MAXJ; j++) {
+                a[j] += __shfl_xor_sync(0xffffffffu, a[j], o);
+                e[j] += __shfl_xor_sync(0xffffffffu, e[j], o);
+            }
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            gs += a[j];
+            us += e[j];
+        }
+        if (lane == 0) {
+            const long j = u < nsh ? sh0 + u : rt0 + (u - nsh);
+            const long s = u < nsh ? K + j / inter : j / inter;
+            act_store(act, s * inter + j % inter, swiglu(gs, us));
+        }
+    }
+    // every block's gate/up done
+    moef_bar();
+    di_trace_phase(2);
+    if (tid == 0) {
+        __threadfence();
+        atomicAdd(&cnt[1], 1u);
+        while (ld_acquire_u32(&cnt[1]) < (u32)G) __nanosleep(32);
+    }
+    moef_bar();
+    di_trace_phase(3);
+    pdl_launch_dependents();
+    for (int e = tid; e < S * ich; e += 32 * MOEF_WARPS)
+        reinterpret_cast<uint4*>(acts)[e] = __ldcg(reinterpret_cast<const uint4*>(act) + e);
+    moef_bar();
+    // down: row pair p of this block by warp p % 8, its slots' units in turn
+    for (int p = warp; p < nrp; p += MOEF_WARPS) {
+        float acc[MOEF_MAXIJ][2];
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXIJ; j++) acc[j][0] = acc[j][1] = 0.0f;
+        for (int q = 0; q < S; q++) {
+            const int i = ngu_of(warp) + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
+            const int sl = q < n_shared ? K + q : q - n_shared;
+            const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
+            mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
+            const bf16_t* w0 = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
+#pragma unroll
+            for (int j = 0; j < MOEF_MAXIJ; j++) {
+                const int c = lane + 32 * j;
+                if (c < ich) {
+                    float hv[8], wf[8];
+                    bf16x8_to_f32(*reinterpret_cast<const uint4*>(acts + (long)sl * inter + c * 8), hv);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        bf16x8_to_f32(*reinterpret_cast<const uint4*>(w0 + (long)i * inter + c * 8), wf);
+                        float pp = 0.0f;
+#pragma unroll
+                        for (int k = 0; k < 8; k++) pp = fmaf(wf[k], hv[k], pp);
+                        acc[j][i] = fmaf(wt, pp, acc[j][i]);
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty0 + 8 * pg);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float v = 0.0f;
+#pragma unroll
+            for (int j = 0; j < MOEF_MAXIJ; j++)
+                if (32 * j < ich) v += warp_sum(acc[j][i]);
+            if (lane == 0) {
+                const long o = 2L * (rp0 + p) + i;
+                act_store(out, o, v);
+                if (res != nullptr) act_store(res, o, act_load(res, o) + act_round(out, v));
+            }
+        }
+    }
+    di_trace_phase(4);
+    // the last block out leaves the counters zeroed for the next launch
+    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
+        cnt[0] = 0;
+        cnt[1] = 0;
+        cnt[2] = 0;
+    }
+#endif
+}
 
 #define MOE_DEC_ALL(T, S)                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOED_THREADS) moe_route_dec_##S(                                    \

@@ -989,6 +989,62 @@ mod gpu {
             );
         }
     }
+    #[test]
+    fn one_launch_moe_layer_equals_the_three_decode_launches() {
+        let Some(bf) = cuda(Some(Act::Bf16)) else {
+            return;
+        };
+        let one = cuda_set(Act::Bf16, |o| o.moe_ffn1 = true);
+        if !one.has_moe_ffn1() {
+            eprintln!(
+                "skipped: the device takes no moe_ffn1 (below sm_90, or no block an SM fits)"
+            );
+            return;
+        }
+        let cpu = CpuBackend::new(2);
+        let mut rng = Rng::fresh("moe_ffn1");
+        // (hidden, expert width, experts, top k, shared slots): odd chunk counts; Moonlight's
+        // hidden width and expert count; a wide expert row (176 chunks of 8)
+        for (d, inter, e, k, sh) in [
+            (264, 40, 20, 6, 3),
+            (2048, 64, 64, 6, 2),
+            (512, 1408, 8, 2, 1),
+        ] {
+            let cfg = sigmoid_router(e, k, 2.4);
+            let host = random_moe(&mut rng, e, d, inter, sh);
+            let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+            let lc = host.bf16_layer(&cpu, &cfg, d, inter, sh);
+            let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
+            let (l3, g3) = (
+                host.bf16_layer(&bf, &cfg, d, inter, sh),
+                bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+            );
+            let (l1, g1) = (
+                host.bf16_layer(&one, &cfg, d, inter, sh),
+                one.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+            );
+            // several steps: each launch must find its counters zeroed by the one before
+            for step in 0..4 {
+                let raw = rng.vec(d, 1.0);
+                let res = rng.vec(d, 1.0);
+                let (want, _) = moe_block(&cpu, &lc, &gc, &raw, &res, 1, d);
+                let (three, three_f) = moe_block(&bf, &l3, &g3, &raw, &res, 1, d);
+                let (got, got_f) = moe_block(&one, &l1, &g1, &raw, &res, 1, d);
+                let diff = max_err(&got_f, &three_f, d);
+                eprintln!(
+                    "d {d}, inter {inter}, {e} experts top {k}, {sh} shared slots, step {step}: one launch vs three {diff:.2e}, vs the CPU {:.2e}",
+                    max_err(&got, &want, d)
+                );
+                assert!(
+                    got == three && got_f == three_f,
+                    "step {step}: the one-launch layer differs from the three launches ({diff:e})"
+                );
+                let (a, c) = (bf.expert_load(&l3).unwrap(), one.expert_load(&l1).unwrap());
+                assert_eq!(a.last_step, c.last_step, "tokens per expert");
+                assert_eq!(a.total, c.total);
+            }
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -163,6 +163,13 @@ pub struct CudaOptions {
     /// by 256 weight rows a block, 4 stages) where the module is an `sm_90a` image;
     /// `DEEPINFER_CUDA_MOE_WG=0` keeps `moe_gu_gemm` / `moe_dn_gemm`.
     pub moe_wg: bool,
+    /// One-token bf16 decode steps run a MoE layer (routing, gate/up, down) in one persistent
+    /// launch of a block an SM (`moe_ffn1`: the phases meet at grid-wide counters while each
+    /// block's producer warp keeps its weights streaming into shared memory by bulk copies)
+    /// instead of three launches, where the device is sm_90+ and holds every block at once;
+    /// the same outputs to the bit. Off by default: slower on the H200 so far
+    /// (doc/benchmarks.md); `DEEPINFER_CUDA_MOE_FFN1=1` turns it on.
+    pub moe_ffn1: bool,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -345,6 +352,7 @@ impl Default for CudaOptions {
             moe_gemm: true,
             moe_gemm_min: 4,
             moe_wg: true,
+            moe_ffn1: false,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -431,6 +439,7 @@ impl CudaOptions {
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
         o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
+        o.moe_ffn1 = std::env::var("DEEPINFER_CUDA_MOE_FFN1").is_ok_and(|v| v == "1");
         count(
             "DEEPINFER_CUDA_MOE_GEMM_MIN",
             "assignments",
@@ -732,6 +741,12 @@ impl CudaBackend {
     /// Whether the loaded kernels include Hopper's warpgroup-MMA ones (an `sm_90a` image).
     pub fn has_wgmma(&self) -> bool {
         self.inner.module.moe_wg.is_some()
+    }
+
+    /// Whether one-token MoE layers can run in one persistent launch here (`moe_ffn1`: an
+    /// sm_90+ device holding one of its blocks on every SM).
+    pub fn has_moe_ffn1(&self) -> bool {
+        self.inner.module.deepseek[1].moe_ffn1.is_some()
     }
 
     /// Uploads f32 values as an activation buffer (tests, tools).

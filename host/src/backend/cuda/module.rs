@@ -404,6 +404,12 @@ pub struct DeepseekKernels {
     /// no other kernel's block shares the routing's SMs), bytes, for `moe_route_decc` (1, 8
     /// tokens) and `moe_route1c`; 0 where it could not be set.
     pub route_own_smem: [u32; 3],
+    /// `moe_ffn1`: a one-token MoE layer in one persistent launch (bf16; sm_90+ devices that
+    /// hold a block on every SM with [`DeepseekKernels::moe_ffn1_smem`] bytes of dynamic
+    /// shared memory).
+    pub moe_ffn1: Option<KernelId>,
+    /// The dynamic shared memory `moe_ffn1` may ask for, bytes.
+    pub moe_ffn1_smem: u32,
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -707,6 +713,12 @@ impl Module {
                 moe_route_decc: [n("moe_route_decc_n1")?, n("moe_route_decc_n8")?],
                 moe_route1c: n("moe_route1c")?,
                 route_own_smem: [0; 3],
+                moe_ffn1: if s == "bf16" && major >= 9 {
+                    Some(n("moe_ffn1")?)
+                } else {
+                    None
+                },
+                moe_ffn1_smem: 0,
                 moe_gu_dec: [
                     [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
                     [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
@@ -802,6 +814,15 @@ impl Module {
                 let f = funcs[k.0 as usize].cu_function();
                 *own = raise_dyn_smem(f, max_smem, usize::MAX).unwrap_or(0);
             }
+            if let Some(k) = ds.moe_ffn1 {
+                let f = funcs[k.0 as usize].cu_function();
+                ds.moe_ffn1_smem = raise_dyn_smem(f, max_smem, usize::MAX)
+                    .filter(|&smem| blocks_per_sm(f, MOE_FFN1_THREADS, smem) >= 1)
+                    .unwrap_or(0);
+                if ds.moe_ffn1_smem == 0 {
+                    ds.moe_ffn1 = None;
+                }
+            }
             if let Some(k) = ds.mla_layer1 {
                 (ds.mla_layer1_smem, ds.mla_layer1_clusters) =
                     layer_occupancy(funcs[k.0 as usize].cu_function(), max_smem);
@@ -878,6 +899,25 @@ fn raise_dyn_smem(f: sys::CUfunction, max_smem: usize, cap: usize) -> Option<u32
     .ok()
 }
 
+/// Threads of a `moe_ffn1` block (`MOEF_THREADS`: 8 consumer warps and a producer warp).
+pub const MOE_FFN1_THREADS: u32 = 288;
+
+/// How many blocks of `f` with `threads` threads and `smem` bytes of dynamic shared memory an
+/// SM holds at once (0 where the call fails).
+fn blocks_per_sm(f: sys::CUfunction, threads: u32, smem: u32) -> u32 {
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `f` is a kernel of the loaded module; the call only writes `n`.
+    let ok = unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, f, threads as i32, smem as usize)
+    }
+    .result();
+    if ok.is_ok() {
+        n.max(0) as u32
+    } else {
+        0
+    }
+}
+
 /// Raises `f`'s (`mla_layer1`'s) dynamic shared memory limit to [`MLA_LAYER1_SMEM`] and asks
 /// how many clusters of 2, 4 and 8 blocks of 256 threads with that much the device holds at
 /// once: (limit, clusters), zeros where a call fails or the device has too little (the fused
@@ -950,6 +990,7 @@ mod tests {
             "moe_plan",
             "moe_plan2",
             "moe_route8_bf16",
+            "moe_ffn1_bf16",
             "moe_gu_mma",
             "moe_dn_mma",
             "moe_gu_gemm",

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use super::device::{cuda_err, DevMem};
 use super::module::{
-    moe_gemm_smem, KernelId, Module, MOE_GEMM_K, MOE_GEMM_ROWS, MOE_GEMM_THREADS, MOE_GEMM_TOKENS,
-    MOE_WG_ROWS, MOE_WG_SMEM, MOE_WG_TOKENS, ROWMMA_ROWS, ROWMMA_THREADS,
+    moe_gemm_smem, KernelId, Module, MOE_FFN1_THREADS, MOE_GEMM_K, MOE_GEMM_ROWS, MOE_GEMM_THREADS,
+    MOE_GEMM_TOKENS, MOE_WG_ROWS, MOE_WG_SMEM, MOE_WG_TOKENS, ROWMMA_ROWS, ROWMMA_THREADS,
 };
 use super::ops::{check, launch};
 use super::queue::Op;
@@ -58,7 +58,8 @@ struct MoeDevice {
     last: DevMem,
     /// 0: f32 expert weights, 1: bf16.
     wi: usize,
-    /// Arrival counter of the decode routing kernel (left zeroed by each launch).
+    /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s three (each left
+    /// zeroed by every launch).
     counter: DevMem,
     /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
     /// type or width), else (slots, gate, up, down addresses; 0 slots without shared experts).
@@ -141,7 +142,8 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
             ok.then(|| (s.inter / inter, [s.gate.ptr(), s.up.ptr(), s.down.ptr()]))
         }
     };
-    let counter = DevMem::alloc(&inner.ctx, 4)?;
+    // [0]: the decode routing's arrivals; [1..4]: `moe_ffn1`'s (logits, gate/up, blocks done)
+    let counter = DevMem::alloc(&inner.ctx, 16)?;
     counter.zero(&inner.stream)?;
     let totals = DevMem::alloc(&inner.ctx, e * 8)?;
     totals.zero(&inner.stream)?;
@@ -449,6 +451,68 @@ fn decode_fits(
     }
 }
 
+/// `moe_ffn1`'s launch shape: kernel, dynamic shared memory, ring pages and their bytes.
+struct Ffn1 {
+    kernel: KernelId,
+    smem: u32,
+    pages: usize,
+    page: usize,
+}
+
+/// Most ring pages, widest hidden row and expert row, most picked experts and slots of
+/// `moe_ffn1` (`MOEF_MAXP`, `MOEF_MAXJ`, `MOEF_MAXIJ`, `MOEF_MAXS`).
+const FFN1_MAX_PAGES: usize = 32;
+const FFN1_MAX_WIDTH: usize = 2048;
+const FFN1_MAX_TOP_K: usize = 32;
+const FFN1_MAX_SLOTS: usize = 48;
+/// Consumer warps of a `moe_ffn1` block (`MOEF_WARPS`), each with its own ring pages.
+const FFN1_WARPS: usize = 8;
+/// Fewest ring pages worth the launch.
+const FFN1_MIN_PAGES: usize = 8;
+
+/// Whether a one-token step (no group limit) of this layer takes `moe_ffn1`, and its shape:
+/// bf16 weights and activations, the option on, a device holding a block on every SM, at
+/// most 64 experts (and no more than SMs: a block computes an expert's logit) and
+/// [`FFN1_MAX_TOP_K`] picked, rows of at most [`FFN1_MAX_WIDTH`], and room for the slots'
+/// activations beside [`FFN1_MIN_PAGES`] pages of two weight rows each.
+fn ffn1_fits(
+    inner: &Inner,
+    st: &MoeDevice,
+    d: usize,
+    inter: usize,
+    e: usize,
+    k: usize,
+    n_shared: usize,
+) -> Option<Ffn1> {
+    let kern = &inner.module.deepseek[1];
+    let kernel = kern.moe_ffn1?;
+    let slots = k + n_shared;
+    let fits = inner.opts.moe_ffn1
+        && inner.act() == Act::Bf16
+        && st.wi == 1
+        && e <= 64
+        && e <= inner.module.sms
+        && k <= FFN1_MAX_TOP_K
+        && slots <= FFN1_MAX_SLOTS
+        && d <= FFN1_MAX_WIDTH
+        && inter <= FFN1_MAX_WIDTH
+        && d.is_multiple_of(8)
+        && inter.is_multiple_of(8);
+    if !fits {
+        return None;
+    }
+    let page = 4 * d.max(inter);
+    let room = (kern.moe_ffn1_smem as usize).checked_sub(slots * inter * 2)?;
+    // a whole number of pages a consumer warp
+    let pages = (room / page).min(FFN1_MAX_PAGES) / FFN1_WARPS * FFN1_WARPS;
+    (pages >= FFN1_MIN_PAGES).then_some(Ffn1 {
+        kernel,
+        smem: (pages * page + slots * inter * 2) as u32,
+        pages,
+        page,
+    })
+}
+
 /// A decode step's MoE layer in three launches (`moe_*_dec` in `kernels/moe.cu`): routing
 /// (with an RMSNorm queued just before whose output is `x` folded in) and the plan; the
 /// experts' gate/up products with SiLU, shared experts included; the down products weighted
@@ -496,6 +560,51 @@ fn forward_decode(
         ScoreFunc::SqrtSoftplus => 2,
     };
     let (src, gain, eps) = norm.unwrap_or((x.ptr(), 0, 0));
+    let grouped = cfg.n_group > 1 && cfg.topk_group < cfg.n_group;
+    if n == 1 && !grouped {
+        if let Some(f) = ffn1_fits(inner, st, d, inter, e, k, n_shared) {
+            let act = inner.scratch((k + n_shared) * inter, 2)?;
+            inner.push(Op::Launch {
+                kernel: f.kernel,
+                grid: [inner.module.sms as u32, 1, 1],
+                block: MOE_FFN1_THREADS,
+                smem: f.smem,
+                args: vec![
+                    out.ptr(),
+                    0,
+                    x.ptr(),
+                    src,
+                    gain,
+                    eps,
+                    act.ptr(),
+                    logits.ptr(),
+                    st.counter.ptr + 4,
+                    st.totals.ptr,
+                    st.last.ptr,
+                    gate.ptr(),
+                    gate.wtype as u64,
+                    gate.row_bytes as u64,
+                    st.bias.as_ref().map_or(0, |b| b.ptr),
+                    st.ptrs.ptr,
+                    shared[0],
+                    shared[1],
+                    shared[2],
+                    d as u64,
+                    e as u64,
+                    k as u64,
+                    n_shared as u64,
+                    inter as u64,
+                    score,
+                    cfg.norm_topk_prob as u64,
+                    cfg.scaling.to_bits() as u64,
+                    f.pages as u64,
+                    f.page as u64,
+                ],
+            });
+            layer.count_device_step();
+            return Ok(());
+        }
+    }
     // Up to 64 experts: one cluster of blocks of 8 experts (the portable cluster size).
     let cluster = e.div_ceil(DEC_EXPERTS_PER_CLUSTER_BLOCK);
     let clustered = inner.opts.ds2.cluster && inner.module.clusters && cluster <= 8;
@@ -532,7 +641,6 @@ fn forward_decode(
         inner.opts.ds2.route as u64,
     ];
     // the one-token routing in fewer steps, where its bounds allow
-    let grouped = cfg.n_group > 1 && cfg.topk_group < cfg.n_group;
     let lean = inner.opts.ds2.route1
         && n == 1
         && e <= 64
@@ -660,8 +768,24 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
         args[1] = res;
         return true;
     }
+    // moe_ffn1's: out, res, the normalized row, ..., d (19); it reads its input before any
+    // block writes `res` (grid-wide counters in between), so `res` may be that input
+    if inner.module.deepseek[1].moe_ffn1 == Some(*kernel)
+        && args.len() == FFN1_ARGS
+        && args[0] == y
+        && args[1] == 0
+        && args[19] as usize == len
+        && res != y
+        && res != args[2]
+    {
+        args[1] = res;
+        return true;
+    }
     false
 }
+
+/// Parameters of `moe_ffn1`.
+const FFN1_ARGS: usize = 29;
 
 /// Parameters of `moe_down_dec`: out, res, h, the slot table (4), shared down, n_routed,
 /// n_shared, n, d, inter, early, then (pf0, pf0_bytes, pf1, pf1_bytes) from 14.
