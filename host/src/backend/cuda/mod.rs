@@ -168,7 +168,9 @@ pub struct CudaOptions {
     /// block's producer warp keeps its weights streaming into shared memory by bulk copies)
     /// instead of three launches, where the device is sm_90+ and holds every block at once;
     /// the same outputs to the bit. Off by default: slower on the H200 so far
-    /// (doc/benchmarks.md); `DEEPINFER_CUDA_MOE_FFN1=1` turns it on.
+    /// (doc/benchmarks.md); `DEEPINFER_CUDA_MOE_FFN1=1` turns it on. Its blocks wait on
+    /// each other, so it assumes no other grid that does the same holds SMs meanwhile (two
+    /// backends with it on sharing a device could each hold part of it).
     pub moe_ffn1: bool,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
