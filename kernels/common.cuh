@@ -111,6 +111,11 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
+// Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
+__device__ __forceinline__ void wait_count(const u32* p, u32 n) {
+    while (ld_acquire_u32(p) < n) __nanosleep(32);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

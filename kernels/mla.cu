@@ -1532,7 +1532,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         // every block's kv_a rows, before the owner reads the token's row
         if (owner) {
             if (tid == 0)
-                while (ld_acquire_u32(&L.cnt[0]) < (u32)min(nblocks, (long)(W + L.rk - 1) / L.rk)) __nanosleep(32);
+                wait_count(&L.cnt[0], (u32)min(nblocks, (long)(W + L.rk - 1) / L.rk));
             __syncthreads();
         }
     } else {

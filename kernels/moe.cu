@@ -1599,8 +1599,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #pragma unroll
         for (int k = 0; k < 8; k++) hr[j][k] = c < nch ? hs[c * 8 + k] : 0.0f;
     }
-    if (tid == 0)
-        while (ld_acquire_u32(&cnt[0]) < (u32)E) __nanosleep(32);
+    if (tid == 0) wait_count(&cnt[0], (u32)E);
     moef_bar();
     if (warp == 0) {
         const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
@@ -1675,7 +1674,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     if (tid == 0) {
         __threadfence();
         atomicAdd(&cnt[1], 1u);
-        while (ld_acquire_u32(&cnt[1]) < (u32)G) __nanosleep(32);
+        wait_count(&cnt[1], (u32)G);
     }
     moef_bar();
     di_trace_phase(3);
@@ -1701,12 +1700,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                     float hv[8], wf[8];
                     bf16x8_to_f32(*reinterpret_cast<const uint4*>(acts + (long)sl * inter + c * 8), hv);
 #pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        bf16x8_to_f32(*reinterpret_cast<const uint4*>(w0 + (long)i * inter + c * 8), wf);
+                    for (int rr = 0; rr < 2; rr++) {
+                        bf16x8_to_f32(*reinterpret_cast<const uint4*>(w0 + (long)rr * inter + c * 8), wf);
                         float pp = 0.0f;
 #pragma unroll
                         for (int k = 0; k < 8; k++) pp = fmaf(wf[k], hv[k], pp);
-                        acc[j][i] = fmaf(wt, pp, acc[j][i]);
+                        acc[j][rr] = fmaf(wt, pp, acc[j][rr]);
                     }
                 }
             }

@@ -989,6 +989,7 @@ mod gpu {
             );
         }
     }
+
     #[test]
     fn one_launch_moe_layer_equals_the_three_decode_launches() {
         let Some(bf) = cuda(Some(Act::Bf16)) else {

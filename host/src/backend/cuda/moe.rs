@@ -548,12 +548,7 @@ fn forward_decode(
         let rms = inner.module.act(act).rms_norm;
         norm = inner.queue().take_norm(rms, x.ptr(), d, n);
     }
-    let slots = e.min(n * k);
     let logits = inner.scratch(n * e, 4)?;
-    let slot_ptr = inner.scratch(slots * 3, 8)?;
-    let slot_cnt = inner.scratch(slots, 4)?;
-    let slot_tok = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
-    let slot_wt = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
     let score = match cfg.score {
         ScoreFunc::Sigmoid => 0u64,
         ScoreFunc::Softmax => 1,
@@ -605,6 +600,12 @@ fn forward_decode(
             return Ok(());
         }
     }
+    // the slot table the three launches pass on
+    let slots = e.min(n * k);
+    let slot_ptr = inner.scratch(slots * 3, 8)?;
+    let slot_cnt = inner.scratch(slots, 4)?;
+    let slot_tok = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
+    let slot_wt = inner.scratch(slots * DEC_MAX_TOKENS, 4)?;
     // Up to 64 experts: one cluster of blocks of 8 experts (the portable cluster size).
     let cluster = e.div_ceil(DEC_EXPERTS_PER_CLUSTER_BLOCK);
     let clustered = inner.opts.ds2.cluster && inner.module.clusters && cluster <= 8;
@@ -756,28 +757,18 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
         return false;
     };
-    // moe_down_dec's arguments: out, res, h, ..., n (10), d (11), inter, early, then the
-    // prefetch ranges.
-    if is_down_dec(&inner.module, *kernel, args)
-        && args[0] == y
-        && args[1] == 0
-        && (args[10] * args[11]) as usize == len
-        && res != y
-        && res != args[2]
-    {
-        args[1] = res;
-        return true;
-    }
-    // moe_ffn1's: out, res, the normalized row, ..., d (19); it reads its input before any
-    // block writes `res` (grid-wide counters in between), so `res` may be that input
-    if inner.module.deepseek[1].moe_ffn1 == Some(*kernel)
-        && args.len() == FFN1_ARGS
-        && args[0] == y
-        && args[1] == 0
-        && args[19] as usize == len
-        && res != y
-        && res != args[2]
-    {
+    // Both kernels take out, res, then a buffer `res` must not be: moe_down_dec's arguments
+    // are out, res, h, ..., n (10), d (11), inter, early, then the prefetch ranges; moe_ffn1's
+    // out, res, the normalized row, ..., d (19) (it reads its input before any block writes
+    // `res`, grid-wide counters in between, so `res` may be that input).
+    let values = if is_down_dec(&inner.module, *kernel, args) {
+        args[10] * args[11]
+    } else if inner.module.deepseek[1].moe_ffn1 == Some(*kernel) && args.len() == FFN1_ARGS {
+        args[19]
+    } else {
+        return false;
+    };
+    if args[0] == y && args[1] == 0 && values as usize == len && res != y && res != args[2] {
         args[1] = res;
         return true;
     }
