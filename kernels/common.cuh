@@ -112,8 +112,23 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
 }
 
 // Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
+// Grids that wait on each other's blocks assume every block resident at once; where that
+// does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
+// the wait would never end, so past 5 s it traps: the launch fails and the host reports the
+// error instead of hanging.
 __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
-    while (ld_acquire_u32(p) < n) __nanosleep(32);
+    u64 t0 = 0;
+    for (u32 k = 1; ld_acquire_u32(p) < n; k++) {
+        __nanosleep(32);
+        if ((k & 4095) == 0) {
+            u64 t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            if (t0 == 0)
+                t0 = t;
+            else if (t - t0 > 5000000000ull)
+                __trap();
+        }
+    }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -1451,32 +1451,31 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
 // The routing, the experts' gate/up products and their down products of a one-token step
 // (bf16 weights and activations) in one launch of a block an SM, every block resident at once
 // (the host checks), so the phases meet at grid-wide counters instead of kernel boundaries
-// and the weights never stop streaming: each block's producer warp copies its share of the
-// weights, unit by unit, into shared-memory pages by bulk copies (the tensor-copy engine) as
-// soon as a page is free, whatever the consumers are waiting for, while its eight consumer
-// warps take the units in turn (each from a ring of pages of its own):
-//   1. (before the programmatic wait) the producer starts on the shared experts' gate/up rows,
-//      which need no routing; the consumers load their block's router row;
+// and the weights never stop streaming: each of a block's eight warps owns a ring of
+// shared-memory pages and copies its own units of weights into them by bulk copies (the
+// tensor-copy engine, completing on the page's mbarrier), asking for its next unit into the
+// page it has just used, so a warp's copies never wait behind another warp's work:
+//   1. (before the programmatic wait) each warp asks for its first units that are shared
+//      experts' gate/up rows, which need no routing, and loads its block's router row;
 //   2. every block normalizes the token (the RMSNorm before the layer, when folded in) and
 //      block e < E computes expert e's logit; once all E are counted (cnt[0]) each block picks
-//      the top k itself (moe_pick1, the sums and order of moe_route1c, so the same experts)
-//      and hands the picked experts' addresses to its producer (mbarrier `route`);
+//      the top k itself (moe_pick1, the sums and order of moe_route1c, so the same experts),
+//      then each warp fills the rest of its ring;
 //   3. gate/up: a unit is one row pair (gate row r and up row r of one slot); the warp's dot
 //      products go into act[slot, r] = silu(g) * u, with the sums in moe_gu_dec's order;
 //   4. once every block's gate/up units are counted (cnt[1]), each block copies act into
 //      shared memory and takes output rows [2 p, 2 p + 2) for its row pairs p, a unit being
 //      one slot's two down rows, shared slots first: out[r] = sum_slots w * (down[r] . act),
-//      in moe_down_dec's order, and res[r] += out[r] when asked;
+//      in moe_down_dec's order, and res[r] += out[r] when asked (the warps' first down units
+//      are already copied while the grid meets);
 //   5. the last block out leaves the counters zeroed (cnt[2] counts the blocks done).
 // Slots: the picked experts in id order [0, K), then the shared experts' `inter`-row slots.
-#define MOEF_WARPS 8                          // consumer warps
-#define MOEF_THREADS (32 * MOEF_WARPS + 32)   // and the producer warp
+#define MOEF_WARPS 8                          // warps, each with its ring of pages
+#define MOEF_THREADS (32 * MOEF_WARPS)
 #define MOEF_MAXP 32                          // most ring pages (a multiple of MOEF_WARPS)
 #define MOEF_MAXJ 8                           // 16-byte chunks a lane of a hidden row (<= 2048)
 #define MOEF_MAXIJ 8                          // ... of an expert row (inter <= 2048)
 #define MOEF_MAXS 48                          // most slots (top k <= 32, 16 shared)
-
-__device__ __forceinline__ void moef_bar() { asm volatile("bar.sync 1, %0;" ::"n"(32 * MOEF_WARPS) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
@@ -1486,7 +1485,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     int page) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 moef_smem[];
-    __shared__ __align__(8) u64 bars[2 * MOEF_MAXP + 1];
+    __shared__ __align__(8) u64 bars[MOEF_MAXP];
     __shared__ __align__(16) float hs[MOEF_MAXJ * 256];
     __shared__ float red[MOEF_WARPS];
     __shared__ int cid[32];
@@ -1496,11 +1495,11 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = gridDim.x, b = blockIdx.x, S = K + n_shared;
     const u32 ring = (u32)__cvta_generic_to_shared(moef_smem);
-    const u32 full0 = (u32)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * np, route = full0 + 16 * np;
-    // Consumer warp w owns pages [w ppw, (w + 1) ppw) and takes its units in order, its i-th
-    // in page w ppw + i % ppw: a page's barriers are then never more than one phase apart
-    // from what its one consumer waits for (a ring shared by warps that take units out of
-    // order would let a warp far ahead see an old phase of the same parity as done).
+    const u32 full0 = (u32)__cvta_generic_to_shared(bars);
+    // Warp w owns pages [w ppw, (w + 1) ppw) and takes its units in order, its i-th in page
+    // w ppw + i % ppw: a page's barrier is then never more than one phase apart from what its
+    // one reader waits for (a ring shared by warps that take units out of order would let a
+    // warp far ahead see an old phase of the same parity as done).
     const int ppw = np / MOEF_WARPS;
     bf16_t* acts = reinterpret_cast<bf16_t*>(moef_smem + (long)np * page);
     // this block's units: shared and routed gate/up row pairs, then its down row pairs by slot
@@ -1513,50 +1512,48 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // units carry on from its gate/up ones
     auto ngu_of = [&](int w) { return ngu > w ? (ngu - w + MOEF_WARPS - 1) / MOEF_WARPS : 0; };
     if (tid == 0) {
-        for (int p = 0; p < np; p++) {
-            mbar_init(full0 + 8 * p, 1);
-            mbar_init(empty0 + 8 * p, 1);
-        }
-        mbar_init(route, 1);
+        for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, 1);
         mbar_init_fence();
     }
     __syncthreads();
-    if (warp == MOEF_WARPS) {
-        // The producer: the block's units in one order (each warp's own in the order it takes
-        // them), warp w's i-th into page w ppw + i % ppw once the unit ppw before it there is
-        // done. (Serving the warps in turn, each whenever its next page is free, by polling
-        // the barriers was slower: 2.96-3.00 ms a step against 2.33-2.38.)
-        if (lane != 0) return;
-        auto put = [&](int w, int i, const bf16_t* p0, const bf16_t* p1, u32 bytes) {
-            const int pg = w * ppw + i % ppw;
-            if (i >= ppw) mbar_wait(empty0 + 8 * pg, (u32)((i / ppw - 1) & 1));
-            const u32 dst = ring + (u32)(pg * page);
-            mbar_arrive_tx(full0 + 8 * pg, 2 * bytes);
-            bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
-            bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
-        };
-        const u32 rb = (u32)d * 2, db = (u32)inter * 2;
-        for (int u = 0; u < nsh; u++) put(u % MOEF_WARPS, u / MOEF_WARPS, sh_gate + (sh0 + u) * d, sh_up + (sh0 + u) * d, rb);
-        mbar_wait(route, 0);
-        for (int u = (int)nsh; u < ngu; u++) {
+    // Each warp copies its own units: its lane 0 asks for unit i + ppw into the page unit i
+    // leaves, so no warp's copies wait behind another's and nothing polls. (A producer warp
+    // serving the eight rings in one order was slower: 2.33-2.38 ms a step against 2.15.)
+    const int my_ng = ngu_of(warp);
+    const int my_units = my_ng + S * (nrp > warp ? (nrp - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
+    int issued = 0;
+    // this warp's i-th unit into its page (lane 0; units reading the picked experts only once
+    // the routing is done)
+    auto issue = [&](int i) {
+        const int pg = warp * ppw + i % ppw;
+        const int u = warp + MOEF_WARPS * i, q = (i - my_ng) % S;
+        const bf16_t *p0, *p1;
+        u32 bytes = (u32)d * 2;
+        if (i < my_ng && u < nsh) {
+            p0 = sh_gate + (sh0 + u) * d;
+            p1 = sh_up + (sh0 + u) * d;
+        } else if (i < my_ng) {
             const long j = rt0 + (u - nsh), s = j / inter, r = j % inter;
-            put(u % MOEF_WARPS, u / MOEF_WARPS, reinterpret_cast<const bf16_t*>(sel[s][0]) + r * d,
-                reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d, rb);
+            p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + r * d;
+            p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d;
+        } else {
+            const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
+            p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
+                              : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
+            p1 = p0 + (q < n_shared ? ush : inter);
+            bytes = (u32)inter * 2;
         }
-        // the warps' down units taken in turn (each warp's in its order: row pairs, then
-        // slots), so every warp has pages in flight
-        for (int m = 0; m * MOEF_WARPS < nrp; m++)
-            for (int q = 0; q < S; q++)
-                for (int wp = 0; wp < MOEF_WARPS && m * MOEF_WARPS + wp < nrp; wp++) {
-                    const long r = 2L * (rp0 + m * MOEF_WARPS + wp);
-                    const bf16_t* w = q < n_shared
-                                          ? sh_down + r * ush + (long)q * inter
-                                          : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
-                    put(wp, ngu_of(wp) + m * S + q, w, w + (q < n_shared ? ush : inter), db);
-                }
-        return;
-    }
-    // the consumers (256 threads: the routing's chunk a thread, as moe_route1c)
+        const u32 dst = ring + (u32)(pg * page);
+        // the warp's reads of the page's last unit before the copy's writes
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive_tx(full0 + 8 * pg, 2 * bytes);
+        bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
+        bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
+    };
+    // before the wait: the warp's first units that are shared experts' gate/up rows
+    if (lane == 0)
+        while (issued < ppw && issued < my_ng && warp + MOEF_WARPS * issued < nsh) issue(issued++);
+    // the routing: a chunk of the row a thread, as moe_route1c
     const int nch = d >> 3, ich = inter >> 3;
     const bool mine = tid < nch;
     uint4 graw[1][2];
@@ -1566,7 +1563,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     pdl_wait();
     const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
     float xv[8];
-    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { moef_bar(); });
+    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { __syncthreads(); });
     if (mine) {
         *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
         *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
@@ -1582,7 +1579,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         acc = warp_sum(acc);
         if (lane == 0) red[warp] = acc;
     }
-    moef_bar();
+    __syncthreads();
     if (b < E && tid == 0) {
         float v = 0.0f;
         for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
@@ -1600,12 +1597,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         for (int k = 0; k < 8; k++) hr[j][k] = c < nch ? hs[c * 8 + k] : 0.0f;
     }
     if (tid == 0) wait_count(&cnt[0], (u32)E);
-    moef_bar();
+    __syncthreads();
     if (warp == 0) {
         const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
         moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
     }
-    moef_bar();
+    __syncthreads();
     if (tid < E) {
         int s;
         float w;
@@ -1621,9 +1618,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             totals[tid] = my_total + (unsigned long long)c;
         }
     }
-    moef_bar();
+    __syncthreads();
     di_trace_phase(1);
-    if (tid == 0) mbar_arrive(route);
+    if (lane == 0)
+        while (issued < ppw && issued < my_units) issue(issued++);
     // gate/up: unit u by warp u % 8
     for (int u = warp; u < ngu; u += MOEF_WARPS) {
         const int i = u / MOEF_WARPS, pg = warp * ppw + i % ppw;
@@ -1648,7 +1646,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             }
         }
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * pg);
+        if (lane == 0 && issued < my_units) issue(issued++);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
@@ -1669,19 +1667,31 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     // every block's gate/up done
-    moef_bar();
+    __syncthreads();
     di_trace_phase(2);
     if (tid == 0) {
         __threadfence();
         atomicAdd(&cnt[1], 1u);
         wait_count(&cnt[1], (u32)G);
     }
-    moef_bar();
+    __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
-    for (int e = tid; e < S * ich; e += 32 * MOEF_WARPS)
-        reinterpret_cast<uint4*>(acts)[e] = __ldcg(reinterpret_cast<const uint4*>(act) + e);
-    moef_bar();
+    // every load of a round in flight before its stores (one L2 round trip for 8 x 256 chunks)
+    for (int e0 = tid; e0 < S * ich; e0 += 8 * 32 * MOEF_WARPS) {
+        uint4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int e = e0 + k * 32 * MOEF_WARPS;
+            if (e < S * ich) v[k] = __ldcg(reinterpret_cast<const uint4*>(act) + e);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int e = e0 + k * 32 * MOEF_WARPS;
+            if (e < S * ich) reinterpret_cast<uint4*>(acts)[e] = v[k];
+        }
+    }
+    __syncthreads();
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
         float acc[MOEF_MAXIJ][2];
@@ -1710,7 +1720,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 }
             }
             __syncwarp();
-            if (lane == 0) mbar_arrive(empty0 + 8 * pg);
+            if (lane == 0 && issued < my_units) issue(issued++);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {

@@ -165,12 +165,12 @@ pub struct CudaOptions {
     pub moe_wg: bool,
     /// One-token bf16 decode steps run a MoE layer (routing, gate/up, down) in one persistent
     /// launch of a block an SM (`moe_ffn1`: the phases meet at grid-wide counters while each
-    /// block's producer warp keeps its weights streaming into shared memory by bulk copies)
-    /// instead of three launches, where the device is sm_90+ and holds every block at once;
-    /// the same outputs to the bit. Off by default: slower on the H200 so far
-    /// (doc/benchmarks.md); `DEEPINFER_CUDA_MOE_FFN1=1` turns it on. Its blocks wait on
-    /// each other, so it assumes no other grid that does the same holds SMs meanwhile (two
-    /// backends with it on sharing a device could each hold part of it).
+    /// warp keeps its own weights streaming into shared memory by bulk copies) instead of
+    /// three launches, where the device is sm_90+ and holds every block at once; the same
+    /// outputs to the bit; `DEEPINFER_CUDA_MOE_FFN1=0` turns it off. Its blocks wait on each
+    /// other, so one backend a device in a process runs it (the others take the three
+    /// launches), and it assumes no other process's grid holds SMs meanwhile (MPS); a wait
+    /// past 5 s traps, failing the launch instead of hanging.
     pub moe_ffn1: bool,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
@@ -354,7 +354,7 @@ impl Default for CudaOptions {
             moe_gemm: true,
             moe_gemm_min: 4,
             moe_wg: true,
-            moe_ffn1: false,
+            moe_ffn1: true,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -441,7 +441,7 @@ impl CudaOptions {
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
         o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
-        o.moe_ffn1 = std::env::var("DEEPINFER_CUDA_MOE_FFN1").is_ok_and(|v| v == "1");
+        o.moe_ffn1 = !off("DEEPINFER_CUDA_MOE_FFN1");
         count(
             "DEEPINFER_CUDA_MOE_GEMM_MIN",
             "assignments",
@@ -521,7 +521,38 @@ pub(crate) struct Inner {
     /// Zeroed arrival counters of the decode attention's in-kernel split merge (each launch
     /// leaves them zero); `None` inside when the allocation failed.
     counters: OnceLock<Option<DevMem>>,
+    /// This backend's hold on its device's grid-waiting kernels (`moe_ffn1`, `mla_layer1`),
+    /// where its options asked for them and no other backend of the process holds them.
+    _grid_wait: Option<GridWaitClaim>,
     name: String,
+}
+
+/// Devices (ordinals) on which a backend of this process may launch kernels whose blocks wait
+/// on each other's progress (`moe_ffn1`, `mla_layer1`). Two such grids running at once on
+/// one device (two backends' streams share the device's primary context) could each hold
+/// part of the SMs and wait forever for their other blocks, so one backend a device at a
+/// time may use them; the others take the kernels that do not wait.
+static GRID_WAIT_DEVICES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// A backend's hold on one device's grid-waiting kernels, given back when it is dropped.
+struct GridWaitClaim(usize);
+
+impl GridWaitClaim {
+    fn take(ordinal: usize) -> Option<GridWaitClaim> {
+        let mut held = GRID_WAIT_DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        if held.contains(&ordinal) {
+            return None;
+        }
+        held.push(ordinal);
+        Some(GridWaitClaim(ordinal))
+    }
+}
+
+impl Drop for GridWaitClaim {
+    fn drop(&mut self) {
+        let mut held = GRID_WAIT_DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+        held.retain(|&o| o != self.0);
+    }
 }
 
 impl Inner {
@@ -691,10 +722,24 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     /// Opens device `ordinal`, compiles (or loads cached) kernels and creates the cuBLAS handle.
-    pub fn new(ordinal: usize, opts: CudaOptions) -> Result<CudaBackend> {
+    pub fn new(ordinal: usize, mut opts: CudaOptions) -> Result<CudaBackend> {
         if let Some(why) = unavailable_reason() {
             return Err(Error::Cuda(why));
         }
+        let grid_wait = if opts.moe_ffn1 || opts.fuse_layer {
+            let claim = GridWaitClaim::take(ordinal);
+            if claim.is_none() {
+                tracing::info!(
+                    "cuda:{ordinal}: another backend of this process runs the grid-waiting kernels \
+                     (moe_ffn1, mla_layer1) on this device; this one takes the kernels that do not wait"
+                );
+                opts.moe_ffn1 = false;
+                opts.fuse_layer = false;
+            }
+            claim
+        } else {
+            None
+        };
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| cuda_err(&format!("opening CUDA device {ordinal}"), e))?;
         // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations
@@ -728,6 +773,7 @@ impl CudaBackend {
             pinned: Mutex::new(None),
             counters: OnceLock::new(),
             opts,
+            _grid_wait: grid_wait,
             name,
         };
         Ok(CudaBackend {
@@ -745,10 +791,11 @@ impl CudaBackend {
         self.inner.module.moe_wg.is_some()
     }
 
-    /// Whether one-token MoE layers can run in one persistent launch here (`moe_ffn1`: an
-    /// sm_90+ device holding one of its blocks on every SM).
-    pub fn has_moe_ffn1(&self) -> bool {
-        self.inner.module.deepseek[1].moe_ffn1.is_some()
+    /// Whether this backend runs one-token MoE layers in one persistent launch (`moe_ffn1`:
+    /// asked for by its options, an sm_90+ device holding one of its blocks on every SM, and
+    /// no other backend of the process running it on the device).
+    pub fn runs_moe_ffn1(&self) -> bool {
+        self.inner.opts.moe_ffn1 && self.inner.module.deepseek[1].moe_ffn1.is_some()
     }
 
     /// Uploads f32 values as an activation buffer (tests, tools).
@@ -941,5 +988,27 @@ impl Backend for CudaBackend {
 
     fn top_k_rows(&self, x: &CudaBuf, width: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
         sample::top_k_rows(&self.inner, x, width, k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GridWaitClaim;
+
+    #[test]
+    fn one_backend_a_device_holds_the_grid_waiting_kernels() {
+        // ordinals no other test claims
+        let first = GridWaitClaim::take(1001).expect("a free device is claimed");
+        assert!(
+            GridWaitClaim::take(1001).is_none(),
+            "a held device is not claimed twice"
+        );
+        let other = GridWaitClaim::take(1002);
+        assert!(other.is_some(), "another device is claimed on its own");
+        drop(first);
+        assert!(
+            GridWaitClaim::take(1001).is_some(),
+            "a dropped claim frees its device"
+        );
     }
 }

@@ -899,8 +899,9 @@ fn raise_dyn_smem(f: sys::CUfunction, max_smem: usize, cap: usize) -> Option<u32
     .ok()
 }
 
-/// Threads of a `moe_ffn1` block (`MOEF_THREADS`: 8 consumer warps and a producer warp).
-pub const MOE_FFN1_THREADS: u32 = 288;
+/// Threads of a `moe_ffn1` block (`MOEF_THREADS`: 8 warps, each copying and reading its own
+/// ring of pages).
+pub const MOE_FFN1_THREADS: u32 = 256;
 
 /// How many blocks of `f` with `threads` threads and `smem` bytes of dynamic shared memory an
 /// SM holds at once (0 where the call fails).
