@@ -181,7 +181,7 @@ mod tests {
                 let (pool, live_now, peak) = (pool.clone(), live_now.clone(), peak.clone());
                 std::thread::spawn(move || {
                     for _ in 0..50 {
-                        let t = pool.take(|| Ok::<_, ()>(())).unwrap();
+                        let t = pool.take(|| Ok::<_, ()>(0u8)).unwrap();
                         let n = live_now.fetch_add(1, Ordering::SeqCst) + 1;
                         peak.fetch_max(n, Ordering::SeqCst);
                         std::thread::yield_now();

@@ -189,7 +189,7 @@ fn run_case(c: &Case) -> Result<Coverage, TestCaseError> {
             for (id, hist) in &model.histories {
                 let k = (xorshift(&mut rng) % (c.max_drafts as u64 + 1)) as usize;
                 let mut d = continuation(hist, id.sample, VOCAB, k);
-                if k > 0 && xorshift(&mut rng) % 2 == 0 {
+                if k > 0 && xorshift(&mut rng).is_multiple_of(2) {
                     let at = (xorshift(&mut rng) % k as u64) as usize;
                     d[at] = (d[at] + 1) % VOCAB;
                 }

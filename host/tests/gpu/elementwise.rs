@@ -11,6 +11,7 @@ use super::matmul::random_weight;
 use super::util::{assert_close, backend, tol, upload, Rng};
 
 /// Every operation of this file on one backend; returns each result in order.
+#[allow(clippy::too_many_arguments)]
 fn ops<B: Backend>(
     be: &B,
     rows: usize,
