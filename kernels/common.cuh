@@ -60,6 +60,16 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 v, float* out) {
 __device__ __forceinline__ void act_load8(const bf16_t* p, float* out) {
     bf16x8_to_f32(*reinterpret_cast<const uint4*>(p), out);
 }
+// The same through L2 only (values other blocks of the running grid wrote).
+__device__ __forceinline__ void act_load8_cg(const float* p, float* out) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(p + 4));
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+__device__ __forceinline__ void act_load8_cg(const bf16_t* p, float* out) {
+    bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(p)), out);
+}
 
 // Experiment DI_X_EVICT: weight streams marked first to go from L2 (a cache policy), so the
 // weights of a step passing through do not push out the kernels' code, the activations and

@@ -1340,11 +1340,17 @@ __device__ __forceinline__ void moe_tok1_pre(MoeTok1& t, const float* gain, cons
 }
 template <typename T, typename Bar>
 __device__ __forceinline__ void moe_tok1_norm(float (&xv)[8], const MoeTok1& t, const T* x, T* h, const float* gain,
-                                              float eps, int d, bool mine, float* red, int rs, Bar bar) {
+                                              float eps, int d, bool mine, float* red, int rs, Bar bar,
+                                              bool cg = false) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
     for (int j = 0; j < 8; j++) xv[j] = 0.0f;
-    if (mine) act_load8(x + (long)tid * 8, xv);
+    if (mine) {
+        if (cg)
+            act_load8_cg(x + (long)tid * 8, xv);
+        else
+            act_load8(x + (long)tid * 8, xv);
+    }
     if (gain == nullptr) return;
     float ss = 0.0f;
 #pragma unroll
@@ -1468,7 +1474,18 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
 //      one slot's two down rows, shared slots first: out[r] = sum_slots w * (down[r] . act),
 //      in moe_down_dec's order, and res[r] += out[r] when asked (the warps' first down units
 //      are already copied while the grid meets);
-//   5. the last block out leaves the counters zeroed (cnt[2] counts the blocks done).
+//   5. when the host folded in the product after the layer (`moe::fold_next_norm_gemv`: the
+//      next layer's RMSNorm of `res` and its q / kv_a rows), each warp's last units are that
+//      product's rows, two a unit, copied into its pages as its down units leave them; once
+//      every block's residual rows are counted (cnt[3]) each block normalizes `res` and takes
+//      its rows [q0, q0 + nq) of the product;
+//   0. when the host folded in the product before the layer (`moe::fold_prev_acc_gemv`: the
+//      attention's o rows and their residual add, as gemvp's ACC blocks compute them), each
+//      warp's first units are that product's rows, two a unit, copied before the wait; after
+//      it each block stages the product's input, takes its rows [o0, o0 + no), adds them into
+//      the residual stream and counts them (cnt[4]): the routing's norm reads the stream once
+//      all are counted;
+//   6. the last block out leaves the counters zeroed (cnt[2] counts the blocks done).
 // Slots: the picked experts in id order [0, K), then the shared experts' `inter`-row slots.
 #define MOEF_WARPS 8                          // warps, each with its ring of pages
 #define MOEF_THREADS (32 * MOEF_WARPS)
@@ -1482,7 +1499,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
-    int page) {
+    int page, const u8* qw0, const u8* qw1, const u8* qw2, bf16_t* qy0, bf16_t* qy1, bf16_t* qy2, int qm0, int qm1,
+    int qm2, const float* qg, float qeps, bf16_t* qh, const u8* ow, const bf16_t* oa, bf16_t* oy, bf16_t* ores,
+    int om, int ok) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 moef_smem[];
     __shared__ __align__(8) u64 bars[MOEF_MAXP];
@@ -1508,6 +1527,25 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const long rt0 = urt * b / G, nrt = urt * (b + 1) / G - rt0;
     const int rp0 = (d / 2) * b / G, nrp = (d / 2) * (b + 1) / G - rp0;
     const int ngu = (int)(nsh + nrt);
+    // the product before the layer (step 0): this block's rows, two a unit; a warp's first units
+    const int o0 = (int)((long)om * b / G), no = (int)((long)om * (b + 1) / G) - o0;
+    const int nou = (no + 1) / 2;
+    const int my_no = nou > warp ? (nou - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0;
+    // the next product's rows of this block (step 5), two a unit
+    const int qrows = qm0 + qm1 + qm2;
+    const int q0 = (int)((long)qrows * b / G), nq = (int)((long)qrows * (b + 1) / G) - q0;
+    const int nqu = (nq + 1) / 2;
+    // row g of the next product: its weight row and where its value goes
+    auto qrow = [&](int g, const u8*& w, bf16_t*& y, int& r) {
+        if (g < qm0) {
+            w = qw0; y = qy0; r = g;
+        } else if (g < qm0 + qm1) {
+            w = qw1; y = qy1; r = g - qm0;
+        } else {
+            w = qw2; y = qy2; r = g - qm0 - qm1;
+        }
+        w += (long)r * d * 2;
+    };
     // gate/up unit u goes to warp u % 8 (its (u / 8)-th); down row pair p to warp p % 8, whose
     // units carry on from its gate/up ones
     auto ngu_of = [&](int w) { return ngu > w ? (ngu - w + MOEF_WARPS - 1) / MOEF_WARPS : 0; };
@@ -1520,15 +1558,49 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // leaves, so no warp's copies wait behind another's and nothing polls. (A producer warp
     // serving the eight rings in one order was slower: 2.33-2.38 ms a step against 2.15.)
     const int my_ng = ngu_of(warp);
-    const int my_units = my_ng + S * (nrp > warp ? (nrp - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
+    const int my_gd = my_ng + S * (nrp > warp ? (nrp - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
+#ifdef MOEF_NEXT_L2
+    // experiment: the product's rows asked into L2 after the grid meets, read from there
+    const int my_units = my_no + my_gd;
+#else
+    const int my_units = my_no + my_gd + (nqu > warp ? (nqu - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
+#endif
     int issued = 0;
-    // this warp's i-th unit into its page (lane 0; units reading the picked experts only once
-    // the routing is done)
-    auto issue = [&](int i) {
-        const int pg = warp * ppw + i % ppw;
+    // this warp's ia-th unit into its page (lane 0; units reading the picked experts only once
+    // the routing is done): ia counts from the product before the layer's units, i after them
+    auto issue = [&](int ia) {
+        const int pg = warp * ppw + ia % ppw;
+        if (ia < my_no) {
+            // rows 2 t and 2 t + 1 of this block's share of the product before the layer
+            const int t = warp + MOEF_WARPS * ia, g = o0 + 2 * t;
+            const bool two = 2 * t + 1 < no;
+            const u32 ob = (u32)ok * 2, dst = ring + (u32)(pg * page);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * ob);
+            bulk_g2s(dst, ow + (long)g * ob, ob, full0 + 8 * pg);
+            if (two) bulk_g2s(dst + ob, ow + (long)(g + 1) * ob, ob, full0 + 8 * pg);
+            return;
+        }
+        const int i = ia - my_no;
         const int u = warp + MOEF_WARPS * i, q = (i - my_ng) % S;
         const bf16_t *p0, *p1;
         u32 bytes = (u32)d * 2;
+        if (i >= my_gd) {
+            // the next product's rows 2 t and 2 t + 1 of this block (the second may not be)
+            const int t = warp + MOEF_WARPS * (i - my_gd), g = q0 + 2 * t;
+            const u8 *w0, *w1;
+            bf16_t* y;
+            int r;
+            qrow(g, w0, y, r);
+            const bool two = 2 * t + 1 < nq;
+            if (two) qrow(g + 1, w1, y, r);
+            const u32 dst = ring + (u32)(pg * page);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * bytes);
+            bulk_g2s(dst, w0, bytes, full0 + 8 * pg);
+            if (two) bulk_g2s(dst + bytes, w1, bytes, full0 + 8 * pg);
+            return;
+        }
         if (i < my_ng && u < nsh) {
             p0 = sh_gate + (sh0 + u) * d;
             p1 = sh_up + (sh0 + u) * d;
@@ -1550,9 +1622,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
         bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
     };
-    // before the wait: the warp's first units that are shared experts' gate/up rows
+    // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
+    // shared expert's gate/up rows), so it may be asked for before the routing is done
+    auto early = [&](int ia) {
+        return ia < my_no || (ia < my_no + my_ng && warp + MOEF_WARPS * (ia - my_no) < nsh);
+    };
+    // before the wait: the warp's units of the product before the layer, then its first that
+    // are shared experts' gate/up rows
     if (lane == 0)
-        while (issued < ppw && issued < my_ng && warp + MOEF_WARPS * issued < nsh) issue(issued++);
+        while (issued < ppw && early(issued)) issue(issued++);
     // the routing: a chunk of the row a thread, as moe_route1c
     const int nch = d >> 3, ich = inter >> 3;
     const bool mine = tid < nch;
@@ -1561,9 +1639,62 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     MoeTok1 t;
     moe_tok1_pre(t, gain, ptrs, bias, E, mine);
     pdl_wait();
+    if (om > 0) {
+        // 0. the product before the layer (gemvp's ACC sums in their order): its input staged
+        // as floats, a warp's row pair from its page, the rows added into the stream
+        for (int c = tid; c < (ok >> 3); c += blockDim.x) {
+            float xf[8];
+            act_load8(oa + (long)c * 8, xf);
+            *reinterpret_cast<float4*>(&hs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
+            *reinterpret_cast<float4*>(&hs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
+        }
+        __syncthreads();
+        for (int tt = warp; tt < nou; tt += MOEF_WARPS) {
+            const int ia = (tt - warp) / MOEF_WARPS, pg = warp * ppw + ia % ppw;
+            mbar_wait(full0 + 8 * pg, (u32)((ia / ppw) & 1));
+            float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                if (2 * tt + rr >= no) break;
+                const uint4* wrow = reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * ok * 2);
+                float a = 0.0f;
+#pragma unroll 4
+                for (int c = lane; c < (ok >> 3); c += 32) {
+                    float wf[8];
+                    bf16x8_to_f32(wrow[c], wf);
+                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
+                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
+                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+                }
+                acc[rr] = warp_sum(a);
+            }
+            __syncwarp();
+            // the page it leaves takes the next unit unless that one waits for the routing
+            if (lane == 0 && issued < my_units && early(issued)) issue(issued++);
+            if (lane == 0)
+                for (int rr = 0; rr < 2 && 2 * tt + rr < no; rr++) {
+                    const long r = o0 + 2 * tt + rr;
+                    const float rv = act_load_cg(ores, r);
+                    act_store(oy, r, acc[rr]);
+                    act_store(ores, r, rv + act_round(oy, acc[rr]));
+                }
+        }
+        // every block's rows in the stream before the norm reads it
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence();
+            atomicAdd(&cnt[4], 1u);
+            wait_count(&cnt[4], (u32)G);
+        }
+        __syncthreads();
+        di_trace_phase(7);
+    }
     const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
     float xv[8];
-    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { __syncthreads(); });
+    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { __syncthreads(); }, om > 0);
     if (mine) {
         *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
         *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
@@ -1620,11 +1751,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     }
     __syncthreads();
     di_trace_phase(1);
+    // the pages left free: the warp has read its units of the product before the layer
     if (lane == 0)
-        while (issued < ppw && issued < my_units) issue(issued++);
+        while (issued < my_no + ppw && issued < my_units) issue(issued++);
     // gate/up: unit u by warp u % 8
     for (int u = warp; u < ngu; u += MOEF_WARPS) {
-        const int i = u / MOEF_WARPS, pg = warp * ppw + i % ppw;
+        const int i = my_no + u / MOEF_WARPS, pg = warp * ppw + i % ppw;
         mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
         const bf16_t* wg = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
         const bf16_t* wu = wg + d;
@@ -1677,6 +1809,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
+#ifdef MOEF_NEXT_L2
+    for (int j = tid; j < nq; j += blockDim.x) {
+        const u8* w;
+        bf16_t* y;
+        int r;
+        qrow(q0 + j, w, y, r);
+        prefetch_l2_bulk(w, (unsigned)d * 2);
+    }
+#endif
     // every load of a round in flight before its stores (one L2 round trip for 8 x 256 chunks)
     for (int e0 = tid; e0 < S * ich; e0 += 8 * 32 * MOEF_WARPS) {
         uint4 v[8];
@@ -1698,7 +1839,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #pragma unroll
         for (int j = 0; j < MOEF_MAXIJ; j++) acc[j][0] = acc[j][1] = 0.0f;
         for (int q = 0; q < S; q++) {
-            const int i = ngu_of(warp) + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
+            const int i = my_no + ngu_of(warp) + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
             const int sl = q < n_shared ? K + q : q - n_shared;
             const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
             mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
@@ -1731,16 +1872,129 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             if (lane == 0) {
                 const long o = 2L * (rp0 + p) + i;
                 act_store(out, o, v);
-                if (res != nullptr) act_store(res, o, act_load(res, o) + act_round(out, v));
+                // (through L2: another block may have added the product before the layer)
+                if (res != nullptr) act_store(res, o, act_load_cg(res, o) + act_round(out, v));
             }
         }
     }
     di_trace_phase(4);
+    if (qrows > 0) {
+        // 5. the next product (the next layer's RMSNorm of `res` and its q / kv_a rows, as
+        // gemvp's NORM blocks compute them, sums in their order): once every block's residual
+        // rows are counted (cnt[3]), each block normalizes the whole row and takes its rows
+        // from the pages they were copied into while the down units ran
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence();
+            atomicAdd(&cnt[3], 1u);
+            wait_count(&cnt[3], (u32)G);
+        }
+        __syncthreads();
+        di_trace_phase(5);
+        float ss = 0.0f;
+        for (int c = tid; c < nch; c += blockDim.x) {
+            float xf[8];
+            bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(res) + c), xf);
+            const float4 ga = *reinterpret_cast<const float4*>(qg + (long)c * 8);
+            const float4 gb = *reinterpret_cast<const float4*>(qg + (long)c * 8 + 4);
+            const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                ss = fmaf(xf[j], xf[j], ss);
+                xf[j] *= gf[j];
+            }
+            *reinterpret_cast<float4*>(&hs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
+            *reinterpret_cast<float4*>(&hs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float s2 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MOEF_WARPS; w++) s2 += red[w];
+        const float rstd = 1.0f / sqrtf(s2 / (float)d + qeps);
+        if (qh != nullptr && tid < 8)
+            for (long c = b; c < nch; c += G) {
+                const long e = c * 8 + tid;
+                act_store(qh, e, act_load_cg(res, e) * rstd * qg[e]);
+            }
+        for (int t = warp; t < nqu; t += MOEF_WARPS) {
+#ifndef MOEF_NEXT_L2
+            const int i = my_no + my_gd + (t - warp) / MOEF_WARPS, pg = warp * ppw + i % ppw;
+            mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
+#endif
+            float acc[2] = {0.0f, 0.0f};
+#ifdef MOEF_NEXT_L2
+            // both rows' loads in flight before any sum
+            uint4 wl[2][MOEF_MAXJ];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const u8* wq = nullptr;
+                bf16_t* yq;
+                int rq;
+                if (2 * t + rr < nq) qrow(q0 + 2 * t + rr, wq, yq, rq);
+#pragma unroll
+                for (int j = 0; j < MOEF_MAXJ; j++) {
+                    const int c = lane + 32 * j;
+                    wl[rr][j] = wq != nullptr && c < nch ? __ldg(reinterpret_cast<const uint4*>(wq) + c) : make_uint4(0, 0, 0, 0);
+                }
+            }
+#endif
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                if (2 * t + rr >= nq) break;
+#ifdef MOEF_NEXT_L2
+                float a = 0.0f;
+#pragma unroll
+                for (int j = 0; j < MOEF_MAXJ; j++) {
+                    const int c = lane + 32 * j;
+                    if (c >= nch) break;
+                    float wf[8];
+                    bf16x8_to_f32(wl[rr][j], wf);
+                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
+                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
+                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+                }
+#else
+                const uint4* wrow = reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * d * 2);
+                float a = 0.0f;
+#pragma unroll 4
+                for (int c = lane; c < nch; c += 32) {
+                    float wf[8];
+                    bf16x8_to_f32(wrow[c], wf);
+                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
+                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
+                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+                }
+#endif
+                acc[rr] = warp_sum(a);
+            }
+            __syncwarp();
+            if (lane == 0 && issued < my_units) issue(issued++);
+            if (lane == 0)
+                for (int rr = 0; rr < 2 && 2 * t + rr < nq; rr++) {
+                    const u8* w;
+                    bf16_t* y;
+                    int r;
+                    qrow(q0 + 2 * t + rr, w, y, r);
+                    act_store(y, r, acc[rr] * rstd);
+                }
+        }
+        di_trace_phase(6);
+    }
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
         cnt[0] = 0;
         cnt[1] = 0;
         cnt[2] = 0;
+        cnt[3] = 0;
+        cnt[4] = 0;
     }
 #endif
 }

@@ -929,6 +929,46 @@ mod gpu {
         (be.to_host(&r).unwrap(), be.to_host(&f).unwrap())
     }
 
+    /// A decoder layer's second half as it queues its work: the attention's o product `wo`
+    /// of `att` added into the residual stream, the RMSNorm of the stream, the MoE layer and
+    /// its add, then the next layer's RMSNorm of the stream and its two products (q and kv_a):
+    /// (residual, q, kv_a, normalized row, o product).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_block_next<B: Backend>(
+        be: &B,
+        layer: &MoeLayer<B::Weight>,
+        gain: &B::Weight,
+        (wo, att): (&B::Weight, &[f32]),
+        (gain2, wq, wk): (&B::Weight, &B::Weight, &B::Weight),
+        (mq, mk): (usize, usize),
+        res: &[f32],
+        d: usize,
+    ) -> [Vec<f32>; 5] {
+        let a = be.upload(att).unwrap();
+        let mut r = be.upload(res).unwrap();
+        let mut o = be.zeros(d).unwrap();
+        be.matmul(wo, &a, 1, &mut o).unwrap();
+        be.add_assign(&mut r, &o).unwrap();
+        let mut h = be.zeros(d).unwrap();
+        be.rms_norm(&r, gain, 1e-6, &mut h).unwrap();
+        let mut f = be.zeros(d).unwrap();
+        be.moe(layer, &h, &[0], 1, d, &mut f).unwrap();
+        be.add_assign(&mut r, &f).unwrap();
+        let mut h2 = be.zeros(d).unwrap();
+        be.rms_norm(&r, gain2, 1e-6, &mut h2).unwrap();
+        let mut q = be.zeros(mq).unwrap();
+        be.matmul(wq, &h2, 1, &mut q).unwrap();
+        let mut kv = be.zeros(mk).unwrap();
+        be.matmul(wk, &h2, 1, &mut kv).unwrap();
+        [
+            be.to_host(&r).unwrap(),
+            be.to_host(&q).unwrap(),
+            be.to_host(&kv).unwrap(),
+            be.to_host(&h2).unwrap(),
+            be.to_host(&o).unwrap(),
+        ]
+    }
+
     #[test]
     fn moe_decode_kernels_with_bf16_experts_fold_the_norm_and_the_add() {
         let Some(be) = cuda(Some(Act::F32)) else {
@@ -995,7 +1035,12 @@ mod gpu {
         if cuda(Some(Act::Bf16)).is_none() {
             return;
         }
-        let one = cuda_set(Act::Bf16, |o| o.moe_ffn1 = true);
+        // (the products before and after the layer folded in whatever the defaults)
+        let one = cuda_set(Act::Bf16, |o| {
+            o.moe_ffn1 = true;
+            o.ffn1_prev = true;
+            o.ffn1_next = true;
+        });
         if !one.runs_moe_ffn1() {
             eprintln!(
                 "skipped: this backend does not run moe_ffn1 (a device below sm_90, no block an \
@@ -1046,6 +1091,81 @@ mod gpu {
                 let (a, c) = (bf.expert_load(&l3).unwrap(), one.expert_load(&l1).unwrap());
                 assert_eq!(a.last_step, c.last_step, "tokens per expert");
                 assert_eq!(a.total, c.total);
+            }
+            if d != 2048 {
+                continue;
+            }
+            // The attention's o product and its residual add before the layer and the next
+            // layer's norm and q / kv_a product after it (one-token bf16 products over rows of
+            // 2048 take the staged GEMV, which the one launch takes in): Moonlight's rows, then
+            // odd row counts (a block's last unit of one row) after an o product over rows of
+            // 1032, which the staged GEMV does not take, so it stays a launch of its own
+            for (mq, mk, ko) in [(3072, 576, 2048), (201, 75, 1032)] {
+                let gain2: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+                let (vq, vk) = (rng.vec(mq * d, 0.05), rng.vec(mk * d, 0.05));
+                let vo = rng.vec(d * ko, 0.05);
+                let around = |b: &CudaBackend| {
+                    (
+                        b.prepare_weight(&bf16_weight(d, ko, &vo)).unwrap(),
+                        b.prepare_weight(&Weight::from_f32(1, d, &gain2)).unwrap(),
+                        b.prepare_weight(&bf16_weight(mq, d, &vq)).unwrap(),
+                        b.prepare_weight(&bf16_weight(mk, d, &vk)).unwrap(),
+                    )
+                };
+                let (n3, n1) = (around(&bf), around(&one));
+                for step in 0..3 {
+                    let att = rng.vec(ko, 1.0);
+                    let res = rng.vec(d, 1.0);
+                    let before = one.stats();
+                    let three = moe_block_next(
+                        &bf,
+                        &l3,
+                        &g3,
+                        (&n3.0, &att),
+                        (&n3.1, &n3.2, &n3.3),
+                        (mq, mk),
+                        &res,
+                        d,
+                    );
+                    let got = moe_block_next(
+                        &one,
+                        &l1,
+                        &g1,
+                        (&n1.0, &att),
+                        (&n1.1, &n1.2, &n1.3),
+                        (mq, mk),
+                        &res,
+                        d,
+                    );
+                    let after = one.stats();
+                    let prev = after.ffn1_prev_folds - before.ffn1_prev_folds;
+                    let next = after.ffn1_next_folds - before.ffn1_next_folds;
+                    let names = ["residual", "q", "kv_a", "normalized row", "o product"];
+                    let errs: Vec<f64> = (0..names.len())
+                        .map(|i| max_err(&got[i], &three[i], d))
+                        .collect();
+                    eprintln!(
+                        "o {d} x {ko}, next product {mq} + {mk} rows, step {step}: folded {prev} before, {next} after; residual / q / kv_a / norm / o vs the separate launches {:.2e} / {:.2e} / {:.2e} / {:.2e} / {:.2e}",
+                        errs[0], errs[1], errs[2], errs[3], errs[4]
+                    );
+                    assert_eq!(
+                        prev,
+                        u64::from(one.folds_ffn1_prev() && ko == 2048),
+                        "the o product's fold"
+                    );
+                    assert_eq!(
+                        next,
+                        u64::from(one.folds_ffn1_next()),
+                        "the next product was not folded"
+                    );
+                    for (i, what) in names.iter().enumerate() {
+                        assert!(
+                            got[i] == three[i],
+                            "step {step}: the {what} differs ({:e})",
+                            errs[i]
+                        );
+                    }
+                }
             }
         }
     }

@@ -172,6 +172,24 @@ pub struct CudaOptions {
     /// launches), and it assumes no other process's grid holds SMs meanwhile (MPS); a wait
     /// past 5 s traps, failing the launch instead of hanging.
     pub moe_ffn1: bool,
+    /// A `moe_ffn1` launch whose residual stream the next layer's RMSNorm and one-token q/kv_a
+    /// product (a staged `gemvp` NORM launch) read next takes that product in too
+    /// (`moe::fold_next_norm_gemv`): its blocks copy the product's rows into their pages while
+    /// the down rows finish and compute them after one more grid-wide count, so the product's
+    /// weights stream while the layer ends instead of after it; the same outputs to the bit;
+    /// `DEEPINFER_CUDA_FFN1_NEXT=1` turns it on, `0` off.
+    pub ffn1_next: bool,
+    /// A `moe_ffn1` launch whose RMSNorm reads the residual stream that a one-token staged
+    /// `gemvp` residual-add launch (the attention's o product) just wrote takes that product
+    /// in too (`moe::fold_prev_acc_gemv`): its warps copy the product's rows first, before the
+    /// programmatic wait, compute them once the attention's output is there and meet at one
+    /// more grid-wide count before the routing reads the stream; the same outputs to the bit;
+    /// `DEEPINFER_CUDA_FFN1_PREV=1` turns it on, `0` off.
+    pub ffn1_prev: bool,
+    /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24
+    /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
+    /// beside it (`mla_dec1`'s) (`DEEPINFER_CUDA_FFN1_PAGES=N`, a multiple of 8).
+    pub ffn1_pages: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -355,6 +373,9 @@ impl Default for CudaOptions {
             moe_gemm_min: 4,
             moe_wg: true,
             moe_ffn1: true,
+            ffn1_next: false,
+            ffn1_prev: false,
+            ffn1_pages: 0,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -442,6 +463,27 @@ impl CudaOptions {
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
         o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
         o.moe_ffn1 = !off("DEEPINFER_CUDA_MOE_FFN1");
+        // `1` turns a switch on, `0` off; unset keeps its default
+        let switch = |k: &str, into: &mut bool| -> Result<()> {
+            match std::env::var(k).ok().as_deref() {
+                None | Some("") => {}
+                Some("1") => *into = true,
+                Some("0") => *into = false,
+                Some(v) => {
+                    return Err(Error::BadConfig(format!("{k}={v}: expected 0 or 1")));
+                }
+            }
+            Ok(())
+        };
+        switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
+        switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
+        count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
+        if o.ffn1_pages % 8 != 0 {
+            return Err(Error::BadConfig(format!(
+                "DEEPINFER_CUDA_FFN1_PAGES={}: expected a multiple of 8 (a whole number of pages each of the 8 warps)",
+                o.ffn1_pages
+            )));
+        }
         count(
             "DEEPINFER_CUDA_MOE_GEMM_MIN",
             "assignments",
@@ -752,6 +794,8 @@ impl CudaBackend {
         module.pdl &= opts.pdl;
         let mut queue = Queue::new(opts.graphs);
         queue.next_l2 = opts.ds2.next_l2;
+        queue.ffn1_next = opts.moe_ffn1 && opts.ffn1_next;
+        queue.ffn1_prev = opts.moe_ffn1 && opts.ffn1_prev;
         if let (Some(path), Some(table)) = (trace::requested(), module.trace_table) {
             queue.tracer = Some(trace::Tracer::new(path, table)?);
         }
@@ -796,6 +840,18 @@ impl CudaBackend {
     /// no other backend of the process running it on the device).
     pub fn runs_moe_ffn1(&self) -> bool {
         self.inner.opts.moe_ffn1 && self.inner.module.deepseek[1].moe_ffn1.is_some()
+    }
+
+    /// Whether a `moe_ffn1` launch takes in the next layer's norm and q/kv_a product after it
+    /// (`CudaOptions::ffn1_next`).
+    pub fn folds_ffn1_next(&self) -> bool {
+        self.runs_moe_ffn1() && self.inner.opts.ffn1_next
+    }
+
+    /// Whether a `moe_ffn1` launch takes in the o product with its residual add before it
+    /// (`CudaOptions::ffn1_prev`).
+    pub fn folds_ffn1_prev(&self) -> bool {
+        self.runs_moe_ffn1() && self.inner.opts.ffn1_prev
     }
 
     /// Uploads f32 values as an activation buffer (tests, tools).

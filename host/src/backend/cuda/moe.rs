@@ -13,7 +13,7 @@ use super::module::{
     MOE_GEMM_TOKENS, MOE_WG_ROWS, MOE_WG_SMEM, MOE_WG_TOKENS, ROWMMA_ROWS, ROWMMA_THREADS,
 };
 use super::ops::{check, launch};
-use super::queue::Op;
+use super::queue::{Op, GEMV_SEGMENTS};
 use super::weights::WType;
 use super::{Act, CudaBackend, CudaBuf, CudaWeight, Inner};
 use crate::error::{Error, Result};
@@ -58,7 +58,7 @@ struct MoeDevice {
     last: DevMem,
     /// 0: f32 expert weights, 1: bf16.
     wi: usize,
-    /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s three (each left
+    /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s five (each left
     /// zeroed by every launch).
     counter: DevMem,
     /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
@@ -142,8 +142,9 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
             ok.then(|| (s.inter / inter, [s.gate.ptr(), s.up.ptr(), s.down.ptr()]))
         }
     };
-    // [0]: the decode routing's arrivals; [1..4]: `moe_ffn1`'s (logits, gate/up, blocks done)
-    let counter = DevMem::alloc(&inner.ctx, 16)?;
+    // [0]: the decode routing's arrivals; [1..6]: `moe_ffn1`'s (logits, gate/up, blocks done,
+    // residual rows, the o product's rows)
+    let counter = DevMem::alloc(&inner.ctx, 24)?;
     counter.zero(&inner.stream)?;
     let totals = DevMem::alloc(&inner.ctx, e * 8)?;
     totals.zero(&inner.stream)?;
@@ -504,7 +505,11 @@ fn ffn1_fits(
     let page = 4 * d.max(inter);
     let room = (kern.moe_ffn1_smem as usize).checked_sub(slots * inter * 2)?;
     // a whole number of pages a consumer warp
-    let pages = (room / page).min(FFN1_MAX_PAGES) / FFN1_WARPS * FFN1_WARPS;
+    let most = match inner.opts.ffn1_pages {
+        0 => FFN1_MAX_PAGES,
+        n => n.min(FFN1_MAX_PAGES),
+    };
+    let pages = (room / page).min(most) / FFN1_WARPS * FFN1_WARPS;
     (pages >= FFN1_MIN_PAGES).then_some(Ffn1 {
         kernel,
         smem: (pages * page + slots * inter * 2) as u32,
@@ -594,6 +599,26 @@ fn forward_decode(
                     cfg.scaling.to_bits() as u64,
                     f.pages as u64,
                     f.page as u64,
+                    // the product after the layer, when one is folded in (fold_next_norm_gemv)
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    // the product before the layer, when one is folded in (fold_prev_acc_gemv)
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
                 ],
             });
             layer.count_device_step();
@@ -775,8 +800,148 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     false
 }
 
-/// Parameters of `moe_ffn1`.
-const FFN1_ARGS: usize = 29;
+/// Parameters of `moe_ffn1`: out, res, ..., page (28), then the folded products' from
+/// [`FFN1_NEXT`] and [`FFN1_PREV`].
+const FFN1_ARGS: usize = 47;
+/// Where `moe_ffn1`'s parameters of the product after the layer start: three (weight, output,
+/// rows) segments as the GEMVs take them, the norm's gain and eps, the norm's output.
+const FFN1_NEXT: usize = 29;
+/// Most rows of that product a block of `moe_ffn1` takes (two a ring page).
+const FFN1_NEXT_ROWS: usize = 64;
+/// Where `moe_ffn1`'s parameters of the product before the layer start: weight, input,
+/// output, the residual stream it adds into, rows, columns.
+const FFN1_PREV: usize = 41;
+/// Widest input of that product (`moe_ffn1` stages it in its 2,048 floats of `hs`).
+const FFN1_PREV_MAX_K: usize = 2048;
+
+/// `CudaOptions::ffn1_next`: a `moe_ffn1` launch adding into the residual stream, directly
+/// followed by a one-token staged GEMV (`gemvp*` NORM, bf16 rows as wide as the layer's) whose
+/// folded RMSNorm reads that stream, takes the GEMV in (the GEMV's op is removed): the next
+/// layer's q/kv_a product then streams its weights while the layer's down rows finish. Run on
+/// a pass before it executes; the same pass gives the same ops, so captured graphs still
+/// match. Returns how many it folded.
+pub(crate) fn fold_next_norm_gemv(ops: &mut Vec<Op>, m: &Module) -> u64 {
+    let Some(ffn1) = m.deepseek[1].moe_ffn1 else {
+        return 0;
+    };
+    let norm_kernels = [m.bf16.gemvp.map(|k| k[1]), m.bf16.gemvp_wide.map(|k| k[1])];
+    let mut folded = 0;
+    let mut i = 1;
+    while i < ops.len() {
+        let (a, b) = ops.split_at_mut(i);
+        let (
+            Some(Op::Launch {
+                kernel, grid, args, ..
+            }),
+            Some(Op::Gemv(g)),
+        ) = (a.last_mut(), b.first())
+        else {
+            i += 1;
+            continue;
+        };
+        let fits = *kernel == ffn1
+            && args.len() == FFN1_ARGS
+            && args[FFN1_NEXT..FFN1_PREV].iter().all(|&v| v == 0)
+            && norm_kernels.contains(&Some(g.kernel))
+            && g.wtype == WType::Bf16
+            && g.res == 0
+            && !g.swiglu
+            && g.p.n == 1
+            && g.p.k as u64 == args[19]
+            && g.p.row_bytes == 2 * g.p.k
+            && (1..=GEMV_SEGMENTS).contains(&g.p.segs.len())
+            && g.p.segs.iter().map(|s| s.2).sum::<usize>() <= FFN1_NEXT_ROWS * grid[0] as usize;
+        let Some((_, gain, eps)) = g.norm.filter(|nm| fits && args[1] != 0 && nm.0 == args[1])
+        else {
+            i += 1;
+            continue;
+        };
+        // The product runs after every block has passed its last read and write of the
+        // layer's buffers (the second grid-wide count) but the residual stream's, which it
+        // reads: its outputs may be any buffer of the layer's (the pool hands freed ones on)
+        // but that one.
+        if g.p.segs.iter().any(|s| s.1 == args[1]) || g.p.x == args[1] {
+            i += 1;
+            continue;
+        }
+        for (j, &(w, y, rows)) in g.p.segs.iter().enumerate() {
+            args[FFN1_NEXT + j] = w;
+            args[FFN1_NEXT + 3 + j] = y;
+            args[FFN1_NEXT + 6 + j] = rows as u64;
+        }
+        args[FFN1_NEXT + 9] = gain;
+        args[FFN1_NEXT + 10] = eps as u64;
+        args[FFN1_NEXT + 11] = g.p.x;
+        ops.remove(i);
+        folded += 1;
+        i += 1;
+    }
+    folded
+}
+
+/// `CudaOptions::ffn1_prev`: a one-token staged GEMV adding into the residual stream (`gemvp*`
+/// residual add, bf16 rows: the attention's o product) directly followed by a `moe_ffn1`
+/// launch whose folded RMSNorm reads that stream is taken into the launch (the GEMV's op is
+/// removed): the launch's warps copy the product's rows first, before their programmatic wait,
+/// compute them with `gemvp`'s sums in its order and meet at a grid-wide count before the
+/// routing reads the stream. Run on a pass before it executes (before
+/// [`fold_next_norm_gemv`]); returns how many it folded.
+pub(crate) fn fold_prev_acc_gemv(ops: &mut Vec<Op>, m: &Module) -> u64 {
+    let Some(ffn1) = m.deepseek[1].moe_ffn1 else {
+        return 0;
+    };
+    let acc_kernels = [m.bf16.gemvp.map(|k| k[2]), m.bf16.gemvp_wide.map(|k| k[2])];
+    let mut folded = 0;
+    let mut i = 1;
+    while i < ops.len() {
+        let (a, b) = ops.split_at_mut(i);
+        let (Some(Op::Gemv(g)), Some(Op::Launch { kernel, args, .. })) = (a.last(), b.first_mut())
+        else {
+            i += 1;
+            continue;
+        };
+        let fits = *kernel == ffn1
+            && args.len() == FFN1_ARGS
+            && args[FFN1_PREV..].iter().all(|&v| v == 0)
+            && acc_kernels.contains(&Some(g.kernel))
+            && g.wtype == WType::Bf16
+            && g.norm.is_none()
+            && !g.swiglu
+            && g.p.n == 1
+            && g.p.segs.len() == 1
+            && g.p.k.is_multiple_of(8)
+            && (8..=FFN1_PREV_MAX_K).contains(&g.p.k)
+            && g.p.row_bytes == 2 * g.p.k
+            // two rows a ring page
+            && 2 * g.p.row_bytes as u64 <= args[28];
+        // The stream the product adds into is the one the layer's RMSNorm reads (`src`, with
+        // a gain), all `d` rows of it; the product writes only its output and that stream
+        // before the grid meets, and its input must be neither.
+        let (w, y, rows) = g.p.segs[0];
+        if !fits
+            || g.res == 0
+            || g.res != args[3]
+            || args[4] == 0
+            || rows as u64 != args[19]
+            || y == g.res
+            || g.p.x == g.res
+            || g.p.x == y
+        {
+            i += 1;
+            continue;
+        }
+        let (x, res, k) = (g.p.x, g.res, g.p.k);
+        args[FFN1_PREV] = w;
+        args[FFN1_PREV + 1] = x;
+        args[FFN1_PREV + 2] = y;
+        args[FFN1_PREV + 3] = res;
+        args[FFN1_PREV + 4] = rows as u64;
+        args[FFN1_PREV + 5] = k as u64;
+        ops.remove(i - 1);
+        folded += 1;
+    }
+    folded
+}
 
 /// Parameters of `moe_down_dec`: out, res, h, the slot table (4), shared down, n_routed,
 /// n_shared, n, d, inter, early, then (pf0, pf0_bytes, pf1, pf1_bytes) from 14.

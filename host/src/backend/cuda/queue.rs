@@ -203,6 +203,10 @@ pub struct QueueStats {
     pub graph_launches: u64,
     /// Device time of the flushed work (only while timing is on), seconds.
     pub device_s: f64,
+    /// Products taken into the `moe_ffn1` launch before them (`moe::fold_next_norm_gemv`).
+    pub ffn1_next_folds: u64,
+    /// Products taken into the `moe_ffn1` launch after them (`moe::fold_prev_acc_gemv`).
+    pub ffn1_prev_folds: u64,
 }
 
 /// Most graphs kept (least recently used dropped first).
@@ -221,6 +225,10 @@ pub struct Queue {
     pub tracer: Option<super::trace::Tracer>,
     /// `Ds2::next_l2`: passes go through `moe::link_next_weights` before they run.
     pub next_l2: bool,
+    /// `CudaOptions::ffn1_next`: passes go through `moe::fold_next_norm_gemv` before they run.
+    pub ffn1_next: bool,
+    /// `CudaOptions::ffn1_prev`: passes go through `moe::fold_prev_acc_gemv` before they run.
+    pub ffn1_prev: bool,
 }
 
 impl Queue {
@@ -233,6 +241,8 @@ impl Queue {
             timing: false,
             tracer: None,
             next_l2: false,
+            ffn1_next: false,
+            ffn1_prev: false,
             stats: QueueStats::default(),
         }
     }
@@ -309,6 +319,12 @@ impl Queue {
             return Ok(());
         }
         let mut ops = std::mem::take(&mut self.ops);
+        if self.ffn1_prev {
+            self.stats.ffn1_prev_folds += super::moe::fold_prev_acc_gemv(&mut ops, m);
+        }
+        if self.ffn1_next {
+            self.stats.ffn1_next_folds += super::moe::fold_next_norm_gemv(&mut ops, m);
+        }
         if self.next_l2 {
             super::moe::link_next_weights(&mut ops, m);
         }
