@@ -153,6 +153,63 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// A row of `nch` chunks of 8 values staged as floats in shared memory `xs`, a chunk a thread in
+// turn (`load(c, v)` reads chunk c); with GAIN times the gain `g`, and then the thread's sum of
+// the squares of the values read is returned (else 0).
+template <bool GAIN, typename Load>
+__device__ __forceinline__ float stage_row(Load load, const float* g, float* xs, int nch) {
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+        float xf[8];
+        load(c, xf);
+        if (GAIN) {
+            const float4 ga = *reinterpret_cast<const float4*>(g + (long)c * 8);
+            const float4 gb = *reinterpret_cast<const float4*>(g + (long)c * 8 + 4);
+            const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                ss = fmaf(xf[j], xf[j], ss);
+                xf[j] *= gf[j];
+            }
+        }
+        *reinterpret_cast<float4*>(&xs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
+        *reinterpret_cast<float4*>(&xs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
+    }
+    return ss;
+}
+
+// 1 / RMS of a row of `k` values from `stage_row`'s sums of squares: a block of W warps adds
+// the warps' sums in warp order (`red` holds W floats), every thread gets the result.
+template <int W>
+__device__ __forceinline__ float block_rstd(float ss, float* red, int k, float eps) {
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; w++) s += red[w];
+    return 1.0f / sqrtf(s / (float)k + eps);
+}
+
+// A lane's share of the dot product of a bf16 row staged in shared memory (`nch` chunks of 8)
+// with the floats `stage_row` staged: chunks lane, lane + 32, ..., each chunk's 8 products in
+// order (the staged GEMVs' order; warp_sum adds the lanes').
+__device__ __forceinline__ float staged_dot(const uint4* wrow, const float* xs, int nch, int lane) {
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int c = lane; c < nch; c += 32) {
+        float wf[8];
+        bf16x8_to_f32(wrow[c], wf);
+        const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
+        const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
+        acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
+        acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
+        acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
+        acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
+    }
+    return acc;
+}
+
 // Sum over a block of up to 1024 threads; every thread gets the result. `red` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -402,23 +402,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
 #pragma unroll
     for (int j = 0; j < RPW; j++) resv[j] = ACC && ok[j] && lane == 0 ? act_load(res, rr[j]) : 0.0f;
     // The input (times the gain), and its sum of squares.
-    float ss = 0.0f;
-    for (int c = tid; c < nch; c += blockDim.x) {
-        float xf[8];
-        act_load8(x + (long)c * 8, xf);
-        if (NORM) {
-            const float4 ga = *reinterpret_cast<const float4*>(g + (long)c * 8);
-            const float4 gb = *reinterpret_cast<const float4*>(g + (long)c * 8 + 4);
-            const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                ss = fmaf(xf[j], xf[j], ss);
-                xf[j] *= gf[j];
-            }
-        }
-        *reinterpret_cast<float4*>(&xs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
-        *reinterpret_cast<float4*>(&xs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
-    }
+    float ss = stage_row<NORM>([&](int c, float* v) { act_load8(x + (long)c * 8, v); }, g, xs, nch);
     if (NORM) {
         ss = warp_sum(ss);
         if (lane == 0) red[warp] = ss;
@@ -442,20 +426,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     }
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
-        const uint4* wrow = &wbuf[(warp * RPW + j) * nch];
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int c = lane; c < nch; c += 32) {
-            float wf[8];
-            bf16x8_to_f32(wrow[c], wf);
-            const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
-            const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
-            acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
-            acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
-            acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
-            acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
-        }
-        acc = warp_sum(acc);
+        float acc = warp_sum(staged_dot(&wbuf[(warp * RPW + j) * nch], xs, nch, lane));
         if (ok[j] && lane == 0) {
             const float s = acc * rstd;
             act_store(yr[j], rr[j], s);

@@ -1300,28 +1300,8 @@ __device__ void mla1_qkv(const Mla1Layer<T>& L, const u8* wq, const u8* wk, floa
                          T* q, T* kva, int nq, int nk, int q0, int k0, long g, long nblocks) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nch = L.k >> 3;
-    float ss = 0.0f;
-    for (int c = tid; c < nch; c += blockDim.x) {
-        float xf[8];
-        act_load8(L.x + (long)c * 8, xf);
-        const float4 ga = *reinterpret_cast<const float4*>(L.g + (long)c * 8);
-        const float4 gb = *reinterpret_cast<const float4*>(L.g + (long)c * 8 + 4);
-        const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            ss = fmaf(xf[j], xf[j], ss);
-            xf[j] *= gf[j];
-        }
-        *reinterpret_cast<float4*>(&xs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
-        *reinterpret_cast<float4*>(&xs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
-    }
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    float s2 = 0.0f;
-#pragma unroll
-    for (int w8 = 0; w8 < MLA_WARPS; w8++) s2 += red[w8];
-    const float rstd = 1.0f / sqrtf(s2 / (float)L.k + L.eps);
+    const float ss = stage_row<true>([&](int c, float* v) { act_load8(L.x + (long)c * 8, v); }, L.g, xs, nch);
+    const float rstd = block_rstd<MLA_WARPS>(ss, red, L.k, L.eps);
     if (L.h != nullptr && tid < 8)
         for (long c = g; c < nch; c += nblocks) {
             const long e = c * 8 + tid;

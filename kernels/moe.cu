@@ -1642,12 +1642,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     if (om > 0) {
         // 0. the product before the layer (gemvp's ACC sums in their order): its input staged
         // as floats, a warp's row pair from its page, the rows added into the stream
-        for (int c = tid; c < (ok >> 3); c += blockDim.x) {
-            float xf[8];
-            act_load8(oa + (long)c * 8, xf);
-            *reinterpret_cast<float4*>(&hs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
-            *reinterpret_cast<float4*>(&hs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
-        }
+        stage_row<false>([&](int c, float* v) { act_load8(oa + (long)c * 8, v); }, nullptr, hs, ok >> 3);
         __syncthreads();
         for (int tt = warp; tt < nou; tt += MOEF_WARPS) {
             const int ia = (tt - warp) / MOEF_WARPS, pg = warp * ppw + ia % ppw;
@@ -1657,19 +1652,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             for (int rr = 0; rr < 2; rr++) {
                 if (2 * tt + rr >= no) break;
                 const uint4* wrow = reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * ok * 2);
-                float a = 0.0f;
-#pragma unroll 4
-                for (int c = lane; c < (ok >> 3); c += 32) {
-                    float wf[8];
-                    bf16x8_to_f32(wrow[c], wf);
-                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
-                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
-                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
-                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
-                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
-                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
-                }
-                acc[rr] = warp_sum(a);
+                acc[rr] = warp_sum(staged_dot(wrow, hs, ok >> 3, lane));
             }
             __syncwarp();
             // the page it leaves takes the next unit unless that one waits for the routing
@@ -1891,28 +1874,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
         __syncthreads();
         di_trace_phase(5);
-        float ss = 0.0f;
-        for (int c = tid; c < nch; c += blockDim.x) {
-            float xf[8];
-            bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(res) + c), xf);
-            const float4 ga = *reinterpret_cast<const float4*>(qg + (long)c * 8);
-            const float4 gb = *reinterpret_cast<const float4*>(qg + (long)c * 8 + 4);
-            const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                ss = fmaf(xf[j], xf[j], ss);
-                xf[j] *= gf[j];
-            }
-            *reinterpret_cast<float4*>(&hs[c * 8]) = make_float4(xf[0], xf[1], xf[2], xf[3]);
-            *reinterpret_cast<float4*>(&hs[c * 8 + 4]) = make_float4(xf[4], xf[5], xf[6], xf[7]);
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) red[warp] = ss;
-        __syncthreads();
-        float s2 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < MOEF_WARPS; w++) s2 += red[w];
-        const float rstd = 1.0f / sqrtf(s2 / (float)d + qeps);
+        // (through L2: other blocks of this grid wrote the stream)
+        const float ss = stage_row<true>([&](int c, float* v) { act_load8_cg(res + (long)c * 8, v); }, qg, hs, nch);
+        const float rstd = block_rstd<MOEF_WARPS>(ss, red, d, qeps);
         if (qh != nullptr && tid < 8)
             for (long c = b; c < nch; c += G) {
                 const long e = c * 8 + tid;
@@ -1959,19 +1923,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                     a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
                 }
 #else
-                const uint4* wrow = reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * d * 2);
-                float a = 0.0f;
-#pragma unroll 4
-                for (int c = lane; c < nch; c += 32) {
-                    float wf[8];
-                    bf16x8_to_f32(wrow[c], wf);
-                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
-                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
-                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
-                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
-                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
-                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
-                }
+                const float a = staged_dot(reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * d * 2), hs, nch, lane);
 #endif
                 acc[rr] = warp_sum(a);
             }
