@@ -1559,12 +1559,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // serving the eight rings in one order was slower: 2.33-2.38 ms a step against 2.15.)
     const int my_ng = ngu_of(warp);
     const int my_gd = my_ng + S * (nrp > warp ? (nrp - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
-#ifdef MOEF_NEXT_L2
-    // experiment: the product's rows asked into L2 after the grid meets, read from there
-    const int my_units = my_no + my_gd;
-#else
     const int my_units = my_no + my_gd + (nqu > warp ? (nqu - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
-#endif
     int issued = 0;
     // this warp's ia-th unit into its page (lane 0; units reading the picked experts only once
     // the routing is done): ia counts from the product before the layer's units, i after them
@@ -1792,15 +1787,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
-#ifdef MOEF_NEXT_L2
-    for (int j = tid; j < nq; j += blockDim.x) {
-        const u8* w;
-        bf16_t* y;
-        int r;
-        qrow(q0 + j, w, y, r);
-        prefetch_l2_bulk(w, (unsigned)d * 2);
-    }
-#endif
     // every load of a round in flight before its stores (one L2 round trip for 8 x 256 chunks)
     for (int e0 = tid; e0 < S * ich; e0 += 8 * 32 * MOEF_WARPS) {
         uint4 v[8];
@@ -1883,49 +1869,14 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 act_store(qh, e, act_load_cg(res, e) * rstd * qg[e]);
             }
         for (int t = warp; t < nqu; t += MOEF_WARPS) {
-#ifndef MOEF_NEXT_L2
             const int i = my_no + my_gd + (t - warp) / MOEF_WARPS, pg = warp * ppw + i % ppw;
             mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
-#endif
             float acc[2] = {0.0f, 0.0f};
-#ifdef MOEF_NEXT_L2
-            // both rows' loads in flight before any sum
-            uint4 wl[2][MOEF_MAXJ];
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const u8* wq = nullptr;
-                bf16_t* yq;
-                int rq;
-                if (2 * t + rr < nq) qrow(q0 + 2 * t + rr, wq, yq, rq);
-#pragma unroll
-                for (int j = 0; j < MOEF_MAXJ; j++) {
-                    const int c = lane + 32 * j;
-                    wl[rr][j] = wq != nullptr && c < nch ? __ldg(reinterpret_cast<const uint4*>(wq) + c) : make_uint4(0, 0, 0, 0);
-                }
-            }
-#endif
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 if (2 * t + rr >= nq) break;
-#ifdef MOEF_NEXT_L2
-                float a = 0.0f;
-#pragma unroll
-                for (int j = 0; j < MOEF_MAXJ; j++) {
-                    const int c = lane + 32 * j;
-                    if (c >= nch) break;
-                    float wf[8];
-                    bf16x8_to_f32(wl[rr][j], wf);
-                    const float4 xa = *reinterpret_cast<const float4*>(&hs[c * 8]);
-                    const float4 xb = *reinterpret_cast<const float4*>(&hs[c * 8 + 4]);
-                    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
-                    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
-                    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
-                    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
-                }
-#else
-                const float a = staged_dot(reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * d * 2), hs, nch, lane);
-#endif
-                acc[rr] = warp_sum(a);
+                const uint4* wrow = reinterpret_cast<const uint4*>(moef_smem + (long)pg * page + (long)rr * d * 2);
+                acc[rr] = warp_sum(staged_dot(wrow, hs, nch, lane));
             }
             __syncwarp();
             if (lane == 0 && issued < my_units) issue(issued++);
