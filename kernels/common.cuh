@@ -141,6 +141,14 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     }
 }
 
+// One thread of each block of a grid (all resident) at a grid-wide meeting: the block's writes
+// made visible, its arrival counted at `c`, then the wait for all `n` blocks' arrivals.
+__device__ __forceinline__ void grid_arrive_wait(u32* c, u32 n) {
+    __threadfence();
+    atomicAdd(c, 1u);
+    wait_count(c, n);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

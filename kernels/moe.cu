@@ -1662,11 +1662,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
         // every block's rows in the stream before the norm reads it
         __syncthreads();
-        if (tid == 0) {
-            __threadfence();
-            atomicAdd(&cnt[4], 1u);
-            wait_count(&cnt[4], (u32)G);
-        }
+        if (tid == 0) grid_arrive_wait(&cnt[4], (u32)G);
         __syncthreads();
         di_trace_phase(7);
     }
@@ -1779,11 +1775,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // every block's gate/up done
     __syncthreads();
     di_trace_phase(2);
-    if (tid == 0) {
-        __threadfence();
-        atomicAdd(&cnt[1], 1u);
-        wait_count(&cnt[1], (u32)G);
-    }
+    if (tid == 0) grid_arrive_wait(&cnt[1], (u32)G);
     __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
@@ -1853,11 +1845,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // rows are counted (cnt[3]), each block normalizes the whole row and takes its rows
         // from the pages they were copied into while the down units ran
         __syncthreads();
-        if (tid == 0) {
-            __threadfence();
-            atomicAdd(&cnt[3], 1u);
-            wait_count(&cnt[3], (u32)G);
-        }
+        if (tid == 0) grid_arrive_wait(&cnt[3], (u32)G);
         __syncthreads();
         di_trace_phase(5);
         // (through L2: other blocks of this grid wrote the stream)

@@ -394,8 +394,10 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
-    /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]). The kernels'
-    /// `DEEPINFER_CUDA_DEFINE` list (see [`module::kernel_defines`]) is checked here too.
+    /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]),
+    /// `DEEPINFER_CUDA_FFN1_PREV` / `DEEPINFER_CUDA_FFN1_NEXT` (`1` on, `0` off),
+    /// `DEEPINFER_CUDA_FFN1_PAGES` (a multiple of 8), among others named at their fields. The
+    /// kernels' `DEEPINFER_CUDA_DEFINE` list (see [`module::kernel_defines`]) is checked here too.
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
         module::kernel_defines()?;
@@ -463,16 +465,8 @@ impl CudaOptions {
         o.moe_gemm = !off("DEEPINFER_CUDA_MOE_GEMM");
         o.moe_wg = !off("DEEPINFER_CUDA_MOE_WG");
         o.moe_ffn1 = !off("DEEPINFER_CUDA_MOE_FFN1");
-        // `1` turns a switch on, `0` off; unset keeps its default
         let switch = |k: &str, into: &mut bool| -> Result<()> {
-            match std::env::var(k).ok().as_deref() {
-                None | Some("") => {}
-                Some("1") => *into = true,
-                Some("0") => *into = false,
-                Some(v) => {
-                    return Err(Error::BadConfig(format!("{k}={v}: expected 0 or 1")));
-                }
-            }
+            *into = parse_switch(k, std::env::var(k).ok().as_deref(), *into)?;
             Ok(())
         };
         switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
@@ -1047,9 +1041,33 @@ impl Backend for CudaBackend {
     }
 }
 
+/// A switch variable's value: `1` on, `0` off, unset or empty `default`; anything else is an
+/// error naming the variable.
+fn parse_switch(name: &str, value: Option<&str>, default: bool) -> Result<bool> {
+    match value {
+        None | Some("") => Ok(default),
+        Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(Error::BadConfig(format!("{name}={v}: expected 0 or 1"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::GridWaitClaim;
+    use super::{parse_switch, GridWaitClaim};
+
+    #[test]
+    fn switch_variables_take_0_or_1_and_name_themselves_otherwise() {
+        assert!(parse_switch("X", Some("1"), false).unwrap());
+        assert!(!parse_switch("X", Some("0"), true).unwrap());
+        assert!(parse_switch("X", None, true).unwrap());
+        assert!(!parse_switch("X", Some(""), false).unwrap());
+        let e = parse_switch("DEEPINFER_CUDA_FFN1_PREV", Some("yes"), false).unwrap_err();
+        assert!(
+            e.to_string().contains("DEEPINFER_CUDA_FFN1_PREV=yes"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn one_backend_a_device_holds_the_grid_waiting_kernels() {
