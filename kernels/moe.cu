@@ -1527,10 +1527,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const long rt0 = urt * b / G, nrt = urt * (b + 1) / G - rt0;
     const int rp0 = (d / 2) * b / G, nrp = (d / 2) * (b + 1) / G - rp0;
     const int ngu = (int)(nsh + nrt);
+    // of n units dealt to the warps in turn (unit u to warp u % 8), how many warp w takes
+    auto share = [&](int n, int w) { return n > w ? (n - w + MOEF_WARPS - 1) / MOEF_WARPS : 0; };
     // the product before the layer (step 0): this block's rows, two a unit; a warp's first units
     const int o0 = (int)((long)om * b / G), no = (int)((long)om * (b + 1) / G) - o0;
     const int nou = (no + 1) / 2;
-    const int my_no = nou > warp ? (nou - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0;
+    const int my_no = share(nou, warp);
     // the next product's rows of this block (step 5), two a unit
     const int qrows = qm0 + qm1 + qm2;
     const int q0 = (int)((long)qrows * b / G), nq = (int)((long)qrows * (b + 1) / G) - q0;
@@ -1548,7 +1550,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     };
     // gate/up unit u goes to warp u % 8 (its (u / 8)-th); down row pair p to warp p % 8, whose
     // units carry on from its gate/up ones
-    auto ngu_of = [&](int w) { return ngu > w ? (ngu - w + MOEF_WARPS - 1) / MOEF_WARPS : 0; };
     if (tid == 0) {
         for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, 1);
         mbar_init_fence();
@@ -1557,10 +1558,19 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // Each warp copies its own units: its lane 0 asks for unit i + ppw into the page unit i
     // leaves, so no warp's copies wait behind another's and nothing polls. (A producer warp
     // serving the eight rings in one order was slower: 2.33-2.38 ms a step against 2.15.)
-    const int my_ng = ngu_of(warp);
-    const int my_gd = my_ng + S * (nrp > warp ? (nrp - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
-    const int my_units = my_no + my_gd + (nqu > warp ? (nqu - warp + MOEF_WARPS - 1) / MOEF_WARPS : 0);
+    const int my_ng = share(ngu, warp);
+    const int my_gd = my_ng + S * share(nrp, warp);
+    const int my_units = my_no + my_gd + share(nqu, warp);
     int issued = 0;
+    // page pg filled with `bytes` from p0 and, when `two`, as many from p1 after them (the
+    // warp's reads of the page's last unit before the copy's writes)
+    auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes) {
+        const u32 dst = ring + (u32)(pg * page);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * bytes);
+        bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
+        if (two) bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
+    };
     // this warp's ia-th unit into its page (lane 0; units reading the picked experts only once
     // the routing is done): ia counts from the product before the layer's units, i after them
     auto issue = [&](int ia) {
@@ -1568,12 +1578,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         if (ia < my_no) {
             // rows 2 t and 2 t + 1 of this block's share of the product before the layer
             const int t = warp + MOEF_WARPS * ia, g = o0 + 2 * t;
-            const bool two = 2 * t + 1 < no;
-            const u32 ob = (u32)ok * 2, dst = ring + (u32)(pg * page);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * ob);
-            bulk_g2s(dst, ow + (long)g * ob, ob, full0 + 8 * pg);
-            if (two) bulk_g2s(dst + ob, ow + (long)(g + 1) * ob, ob, full0 + 8 * pg);
+            const long ob = (long)ok * 2;
+            fill(pg, ow + g * ob, ow + (g + 1) * ob, 2 * t + 1 < no, (u32)ob);
             return;
         }
         const int i = ia - my_no;
@@ -1583,17 +1589,13 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         if (i >= my_gd) {
             // the next product's rows 2 t and 2 t + 1 of this block (the second may not be)
             const int t = warp + MOEF_WARPS * (i - my_gd), g = q0 + 2 * t;
-            const u8 *w0, *w1;
+            const u8 *w0, *w1 = nullptr;
             bf16_t* y;
             int r;
             qrow(g, w0, y, r);
             const bool two = 2 * t + 1 < nq;
             if (two) qrow(g + 1, w1, y, r);
-            const u32 dst = ring + (u32)(pg * page);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * bytes);
-            bulk_g2s(dst, w0, bytes, full0 + 8 * pg);
-            if (two) bulk_g2s(dst + bytes, w1, bytes, full0 + 8 * pg);
+            fill(pg, w0, w1, two, bytes);
             return;
         }
         if (i < my_ng && u < nsh) {
@@ -1610,12 +1612,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
-        const u32 dst = ring + (u32)(pg * page);
-        // the warp's reads of the page's last unit before the copy's writes
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive_tx(full0 + 8 * pg, 2 * bytes);
-        bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
-        bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
+        fill(pg, p0, p1, true, bytes);
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
@@ -1800,7 +1797,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #pragma unroll
         for (int j = 0; j < MOEF_MAXIJ; j++) acc[j][0] = acc[j][1] = 0.0f;
         for (int q = 0; q < S; q++) {
-            const int i = my_no + ngu_of(warp) + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
+            const int i = my_no + my_ng + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
             const int sl = q < n_shared ? K + q : q - n_shared;
             const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
             mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));

@@ -564,62 +564,47 @@ fn forward_decode(
     if n == 1 && !grouped {
         if let Some(f) = ffn1_fits(inner, st, d, inter, e, k, n_shared) {
             let act = inner.scratch((k + n_shared) * inter, 2)?;
+            let mut args = vec![
+                out.ptr(),
+                0,
+                x.ptr(),
+                src,
+                gain,
+                eps,
+                act.ptr(),
+                logits.ptr(),
+                st.counter.ptr + 4,
+                st.totals.ptr,
+                st.last.ptr,
+                gate.ptr(),
+                gate.wtype as u64,
+                gate.row_bytes as u64,
+                st.bias.as_ref().map_or(0, |b| b.ptr),
+                st.ptrs.ptr,
+                shared[0],
+                shared[1],
+                shared[2],
+                d as u64,
+                e as u64,
+                k as u64,
+                n_shared as u64,
+                inter as u64,
+                score,
+                cfg.norm_topk_prob as u64,
+                cfg.scaling.to_bits() as u64,
+                f.pages as u64,
+                f.page as u64,
+            ];
+            // the products after and before the layer: none until a pass folds one in
+            // (fold_next_norm_gemv, fold_prev_acc_gemv)
+            debug_assert_eq!(args.len(), FFN1_NEXT);
+            args.resize(FFN1_ARGS, 0);
             inner.push(Op::Launch {
                 kernel: f.kernel,
                 grid: [inner.module.sms as u32, 1, 1],
                 block: MOE_FFN1_THREADS,
                 smem: f.smem,
-                args: vec![
-                    out.ptr(),
-                    0,
-                    x.ptr(),
-                    src,
-                    gain,
-                    eps,
-                    act.ptr(),
-                    logits.ptr(),
-                    st.counter.ptr + 4,
-                    st.totals.ptr,
-                    st.last.ptr,
-                    gate.ptr(),
-                    gate.wtype as u64,
-                    gate.row_bytes as u64,
-                    st.bias.as_ref().map_or(0, |b| b.ptr),
-                    st.ptrs.ptr,
-                    shared[0],
-                    shared[1],
-                    shared[2],
-                    d as u64,
-                    e as u64,
-                    k as u64,
-                    n_shared as u64,
-                    inter as u64,
-                    score,
-                    cfg.norm_topk_prob as u64,
-                    cfg.scaling.to_bits() as u64,
-                    f.pages as u64,
-                    f.page as u64,
-                    // the product after the layer, when one is folded in (fold_next_norm_gemv)
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    // the product before the layer, when one is folded in (fold_prev_acc_gemv)
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ],
+                args,
             });
             layer.count_device_step();
             return Ok(());
@@ -914,12 +899,15 @@ pub(crate) fn fold_prev_acc_gemv(ops: &mut Vec<Op>, m: &Module) -> u64 {
             && g.p.row_bytes == 2 * g.p.k
             // two rows a ring page
             && 2 * g.p.row_bytes as u64 <= args[28];
+        if !fits {
+            i += 1;
+            continue;
+        }
         // The stream the product adds into is the one the layer's RMSNorm reads (`src`, with
         // a gain), all `d` rows of it; the product writes only its output and that stream
         // before the grid meets, and its input must be neither.
         let (w, y, rows) = g.p.segs[0];
-        if !fits
-            || g.res == 0
+        if g.res == 0
             || g.res != args[3]
             || args[4] == 0
             || rows as u64 != args[19]
