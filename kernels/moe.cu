@@ -1494,6 +1494,84 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
 #define MOEF_MAXIJ 8                          // ... of an expert row (inter <= 2048)
 #define MOEF_MAXS 48                          // most slots (top k <= 32, 16 shared)
 
+// A lane's chunks lane + 32 j of a row of `nch` 8-value chunks staged in `hs` (zero past it).
+__device__ __forceinline__ void moef_lane_row(float (&hr)[MOEF_MAXJ][8], const float* hs, int nch) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < MOEF_MAXJ; j++) {
+        const int c = lane + 32 * j;
+#pragma unroll
+        for (int k = 0; k < 8; k++) hr[j][k] = c < nch ? hs[c * 8 + k] : 0.0f;
+    }
+}
+
+// The routing of a one-token launch of a block an SM (moe_ffn1, moe_fk1), after the
+// programmatic wait: every block normalizes the token into `hs` (block b writing its share of
+// `hn`; `cg`: the stream read past L1, another block of the grid wrote it), block b < E
+// counts expert b's logit in cnt[0], `between()` runs while the other blocks' logits come in,
+// then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
+// same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
+// three tables) and `selw` (their weights); block 0 keeps the load counters.
+template <typename F>
+__device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)[1][2], const bf16_t* src,
+                                           bf16_t* hn, const float* gain, float eps, int gate_wt, float* logits,
+                                           u32* cnt, unsigned long long* totals, unsigned* last, int d, int E, int K,
+                                           int score, int norm, float scaling, bool cg, float* hs, float* red,
+                                           int* cid, float* cw, u64 (*sel)[3], float* selw, F between) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
+    const bool mine = tid < (d >> 3);
+    const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
+    float xv[8];
+    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { __syncthreads(); }, cg);
+    if (mine) {
+        *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
+    }
+    if (b < E) {
+        float acc = 0.0f;
+        if (mine) {
+            float wv[8];
+            moe_gate_cvt(gate_wt, graw[0], wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc = fmaf(xv[j], wv[j], acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) red[warp] = acc;
+    }
+    __syncthreads();
+    if (b < E && tid == 0) {
+        float v = 0.0f;
+        for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
+        logits[b] = v;
+        __threadfence();
+        atomicAdd(&cnt[0], 1u);
+    }
+    di_trace_phase(0);
+    between();
+    if (tid == 0) wait_count(&cnt[0], (u32)E);
+    __syncthreads();
+    if (warp == 0) {
+        const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
+        moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
+    }
+    __syncthreads();
+    if (tid < E) {
+        int s;
+        float w;
+        const int c = moe_picked(cid, cw, K, tid, s, w);
+        if (c) {
+            sel[s][0] = t.ptr[0];
+            sel[s][1] = t.ptr[1];
+            sel[s][2] = t.ptr[2];
+            selw[s] = w;
+        }
+        if (b == 0) {
+            last[tid] = (unsigned)c;
+            totals[tid] = my_total + (unsigned long long)c;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
@@ -1663,63 +1741,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         __syncthreads();
         di_trace_phase(7);
     }
-    const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
-    float xv[8];
-    moe_tok1_norm(xv, t, src, hn, gain, eps, d, mine, red, 1, [] { __syncthreads(); }, om > 0);
-    if (mine) {
-        *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
-        *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
-    }
-    if (b < E) {
-        float acc = 0.0f;
-        if (mine) {
-            float wv[8];
-            moe_gate_cvt(gate_wt, graw[0], wv);
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc = fmaf(xv[j], wv[j], acc);
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) red[warp] = acc;
-    }
-    __syncthreads();
-    if (b < E && tid == 0) {
-        float v = 0.0f;
-        for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
-        logits[b] = v;
-        __threadfence();
-        atomicAdd(&cnt[0], 1u);
-    }
-    di_trace_phase(0);
     // this lane's chunks of the normalized row (chunk lane + 32 j)
     float hr[MOEF_MAXJ][8];
-#pragma unroll
-    for (int j = 0; j < MOEF_MAXJ; j++) {
-        const int c = lane + 32 * j;
-#pragma unroll
-        for (int k = 0; k < 8; k++) hr[j][k] = c < nch ? hs[c * 8 + k] : 0.0f;
-    }
-    if (tid == 0) wait_count(&cnt[0], (u32)E);
-    __syncthreads();
-    if (warp == 0) {
-        const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
-        moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
-    }
-    __syncthreads();
-    if (tid < E) {
-        int s;
-        float w;
-        const int c = moe_picked(cid, cw, K, tid, s, w);
-        if (c) {
-            sel[s][0] = t.ptr[0];
-            sel[s][1] = t.ptr[1];
-            sel[s][2] = t.ptr[2];
-            selw[s] = w;
-        }
-        if (b == 0) {
-            last[tid] = (unsigned)c;
-            totals[tid] = my_total + (unsigned long long)c;
-        }
-    }
+    moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
+               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
     __syncthreads();
     di_trace_phase(1);
     // the pages left free: the warp has read its units of the product before the layer
@@ -1885,6 +1910,230 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         cnt[4] = 0;
     }
 #endif
+}
+
+// ---- One token's MoE layer with the down product split by expert row (moe_fk1) ----
+//
+// moe_ffn1's layer without its grid-wide meeting between gate/up and down: a unit is one
+// expert row i of one slot (gate row i, up row i and row i of the slot's down matrix stored
+// transposed, [inter, d], so the three are 3 d contiguous values), and the warp that computes
+// act_i = silu(gate_i . x) (up_i . x) (rounded as the activations store it) adds
+// w act_i downT_i into its own d partial sums (lane: the chunks lane + 32 j of the output, as
+// of the hidden row). So the down rows stream right behind the gate/up rows, no warp waits
+// for the others before its down rows, and only the d sums per block meet at the end: the
+// block adds its warps' sums in warp order into part[b], and once all blocks' are counted
+// (cnt[1]) block b adds rows [d b / G, d (b + 1) / G) over the blocks in a fixed order (16
+// threads a row, each a strided share, then a fixed butterfly), so the result depends on the
+// grid size only, not on timing. Warp g of the grid (g = 8 b + warp) takes shared units
+// [ush g / W, ush (g + 1) / W) (W warps; ush = shared slots x inter), asked for before the
+// programmatic wait, and routed units [urt g / W, ...) once the routing is done. The routing is
+// moe_ffn1's (moef_route); the last block out leaves the counters zeroed (cnt[2]).
+// Not bit-identical to moe_ffn1: the down sums run in another order.
+#define MOEK_MAXP 16                          // most ring pages (a multiple of MOEF_WARPS)
+#define MOEK_TPR 16                           // threads a row of the final sum
+
+extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
+    bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, float* part,
+    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
+    const bf16_t* sh_downt, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
+    int page) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 moef_smem[];
+    __shared__ __align__(8) u64 bars[MOEK_MAXP];
+    __shared__ __align__(16) float hs[MOEF_MAXJ * 256];
+    __shared__ float red[MOEF_WARPS];
+    __shared__ int cid[32];
+    __shared__ float cw[32];
+    __shared__ u64 sel[32][3];
+    __shared__ float selw[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = gridDim.x, b = blockIdx.x, nch = d >> 3;
+    const u32 ring = (u32)__cvta_generic_to_shared(moef_smem);
+    const u32 full0 = (u32)__cvta_generic_to_shared(bars);
+    const int ppw = np / MOEF_WARPS;  // pages a warp: its i-th unit in page warp ppw + i % ppw
+    const long W = (long)G * MOEF_WARPS, gw = (long)b * MOEF_WARPS + warp;
+    const long ush = (long)n_shared * inter, urt = (long)K * inter;
+    const long sh0 = ush * gw / W, nsh = ush * (gw + 1) / W - sh0;
+    const long rt0 = urt * gw / W, nrt = urt * (gw + 1) / W - rt0;
+    const int my_units = (int)(nsh + nrt);
+    const u32 row = (u32)d * 2;
+    if (tid == 0) {
+        for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    int issued = 0;
+    // the warp's i-th unit into its page (lane 0; routed units once the routing is done)
+    auto issue = [&](int i) {
+        const int pg = warp * ppw + i % ppw;
+        const bf16_t *g, *u, *dn;
+        if (i < nsh) {
+            const long r = sh0 + i;
+            g = sh_gate + r * d;
+            u = sh_up + r * d;
+            dn = sh_downt + r * d;
+        } else {
+            const long j = rt0 + (i - nsh), s = j / inter, r = j % inter;
+            g = reinterpret_cast<const bf16_t*>(sel[s][0]) + r * d;
+            u = reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d;
+            dn = reinterpret_cast<const bf16_t*>(sel[s][2]) + r * d;
+        }
+        const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_arrive_tx(bar, 3 * row);
+        bulk_g2s(dst, g, row, bar);
+        bulk_g2s(dst + row, u, row, bar);
+        bulk_g2s(dst + 2 * row, dn, row, bar);
+    };
+    // before the wait: the warp's first shared units
+    if (lane == 0)
+        while (issued < ppw && issued < nsh) issue(issued++);
+    const bool mine = tid < nch;
+    uint4 graw[1][2];
+    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
+    MoeTok1 t;
+    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
+    pdl_wait();
+    float hr[MOEF_MAXJ][8];
+    moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, false,
+               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
+    __syncthreads();
+    di_trace_phase(1);
+    if (lane == 0)
+        while (issued < ppw && issued < my_units) issue(issued++);
+    // the warp's partial sums of the output, chunk lane + 32 j
+    float acc[MOEF_MAXJ][8];
+#pragma unroll
+    for (int j = 0; j < MOEF_MAXJ; j++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[j][k] = 0.0f;
+    for (int i = 0; i < my_units; i++) {
+        const int pg = warp * ppw + i % ppw;
+        mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
+        const bf16_t* wg = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
+        const bf16_t* wu = wg + d;
+        const bf16_t* wd = wg + 2 * d;
+        float a[MOEF_MAXJ], e[MOEF_MAXJ];
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            const int c = lane + 32 * j;
+            a[j] = e[j] = 0.0f;
+            if (c < nch) {
+                float wf[8];
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wg + c * 8), wf);
+#pragma unroll
+                for (int k = 0; k < 8; k++) a[j] = fmaf(wf[k], hr[j][k], a[j]);
+                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wu + c * 8), wf);
+#pragma unroll
+                for (int k = 0; k < 8; k++) e[j] = fmaf(wf[k], hr[j][k], e[j]);
+            }
+        }
+        // the down row's chunks of this lane, out of the page before it is asked for again
+        uint4 dv[MOEF_MAXJ];
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            const int c = lane + 32 * j;
+            dv[j] = c < nch ? *reinterpret_cast<const uint4*>(wd + c * 8) : make_uint4(0, 0, 0, 0);
+        }
+        __syncwarp();
+        if (lane == 0 && issued < my_units) issue(issued++);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int j = 0; j < MOEF_MAXJ; j++) {
+                a[j] += __shfl_xor_sync(0xffffffffu, a[j], o);
+                e[j] += __shfl_xor_sync(0xffffffffu, e[j], o);
+            }
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            gs += a[j];
+            us += e[j];
+        }
+        const float wt = i < nsh ? 1.0f : selw[(rt0 + (i - nsh)) / inter];
+        const float hv = wt * act_round(out, swiglu(gs, us));
+#pragma unroll
+        for (int j = 0; j < MOEF_MAXJ; j++) {
+            float wf[8];
+            bf16x8_to_f32(dv[j], wf);
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[j][k] = fmaf(wf[k], hv, acc[j][k]);
+        }
+    }
+    di_trace_phase(2);
+    // the warps' sums in warp order into part[b] (the ring is free: every copy was waited for)
+    __syncthreads();
+    float* ws = reinterpret_cast<float*>(moef_smem);
+#pragma unroll
+    for (int j = 0; j < MOEF_MAXJ; j++) {
+        const int c = lane + 32 * j;
+        if (c < nch) {
+            float* p = ws + (long)warp * d + c * 8;
+            *reinterpret_cast<float4*>(p) = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            *reinterpret_cast<float4*>(p + 4) = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < nch; c += MOEF_THREADS) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = 0.0f;
+        for (int w = 0; w < MOEF_WARPS; w++) {
+            const float4 x0 = *reinterpret_cast<const float4*>(ws + (long)w * d + c * 8);
+            const float4 x1 = *reinterpret_cast<const float4*>(ws + (long)w * d + c * 8 + 4);
+            v[0] += x0.x; v[1] += x0.y; v[2] += x0.z; v[3] += x0.w;
+            v[4] += x1.x; v[5] += x1.y; v[6] += x1.z; v[7] += x1.w;
+        }
+        float* p = part + (long)b * d + c * 8;
+        *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    __syncthreads();
+    if (tid == 0) grid_arrive_wait(&cnt[1], (u32)G);
+    __syncthreads();
+    di_trace_phase(3);
+    pdl_launch_dependents();
+    // rows [r0, r0 + nr) of the output: MOEK_TPR threads a row, thread q adding blocks q, q + 16, ...
+    const int r0 = (int)((long)d * b / G), nr = (int)((long)d * (b + 1) / G) - r0;
+    const int q = tid % MOEK_TPR;
+    for (int base = 0; base < nr; base += MOEF_THREADS / MOEK_TPR) {
+        const int rr = base + tid / MOEK_TPR;
+        const bool ok = rr < nr;
+        float v = 0.0f;
+        if (ok)
+            for (int p = q; p < G; p += MOEK_TPR) v += __ldcg(part + (long)p * d + r0 + rr);
+#pragma unroll
+        for (int o = MOEK_TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (ok && q == 0) {
+            const long r = r0 + rr;
+            act_store(out, r, v);
+            if (res != nullptr) act_store(res, r, act_load_cg(res, r) + act_round(out, v));
+        }
+    }
+    di_trace_phase(4);
+    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
+        cnt[0] = 0;
+        cnt[1] = 0;
+        cnt[2] = 0;
+    }
+#endif
+}
+
+// out[c, r] = in[r, c] for a [rows, cols] bf16 matrix (a 32 x 32 tile a block of 256 threads).
+extern "C" __global__ void __launch_bounds__(256) transpose_bf16(bf16_t* out, const bf16_t* in, int rows, int cols) {
+    __shared__ bf16_t tile[32][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int y = ty; y < 32; y += 8) {
+        const int r = r0 + y, c = c0 + tx;
+        if (r < rows && c < cols) tile[y][tx] = in[(long)r * cols + c];
+    }
+    __syncthreads();
+    for (int y = ty; y < 32; y += 8) {
+        const int c = c0 + y, r = r0 + tx;
+        if (c < cols && r < rows) out[(long)c * rows + r] = tile[tx][y];
+    }
 }
 
 #define MOE_DEC_ALL(T, S)                                                                                            \

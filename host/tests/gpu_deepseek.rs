@@ -1169,6 +1169,117 @@ mod gpu {
             }
         }
     }
+
+    #[test]
+    fn split_k_moe_layer_matches_the_three_decode_launches() {
+        if cuda(Some(Act::Bf16)).is_none() {
+            return;
+        }
+        let fk = cuda_set(Act::Bf16, |o| {
+            o.moe_ffn1 = true;
+            o.moe_splitk = true;
+        });
+        if !fk.runs_moe_ffn1() {
+            eprintln!(
+                "skipped: this backend does not run moe_ffn1 or moe_fk1 (a device below sm_90, no \
+                 block an SM fits, or another backend of this process runs it)"
+            );
+            return;
+        }
+        let bf = cuda_set(Act::Bf16, |o| o.moe_ffn1 = false);
+        let cpu = CpuBackend::new(2);
+        let mut rng = Rng::fresh("moe_fk1");
+        // the shapes of the one-launch test: odd chunk counts, Moonlight's hidden width and
+        // expert count, a wide expert row; and one without shared experts
+        for (d, inter, e, k, sh) in [
+            (264, 40, 20, 6, 3),
+            (2048, 64, 64, 6, 2),
+            (512, 1408, 8, 2, 1),
+            (256, 48, 16, 4, 0),
+        ] {
+            let cfg = sigmoid_router(e, k, 2.4);
+            let host = random_moe(&mut rng, e, d, inter, sh.max(1));
+            let make = |b: &CudaBackend| {
+                if sh == 0 {
+                    moe_layer_of(
+                        b,
+                        &cfg,
+                        &host.experts,
+                        &host.gate,
+                        host.bias.clone(),
+                        None,
+                        d,
+                        inter,
+                        1,
+                        bf16_weight,
+                    )
+                } else {
+                    host.bf16_layer(b, &cfg, d, inter, sh)
+                }
+            };
+            let lc = if sh == 0 {
+                moe_layer_of(
+                    &cpu,
+                    &cfg,
+                    &host.experts,
+                    &host.gate,
+                    host.bias.clone(),
+                    None,
+                    d,
+                    inter,
+                    1,
+                    bf16_weight,
+                )
+            } else {
+                host.bf16_layer(&cpu, &cfg, d, inter, sh)
+            };
+            let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+            let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
+            let (l3, g3) = (
+                make(&bf),
+                bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+            );
+            let (l1, g1) = (
+                make(&fk),
+                fk.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+            );
+            // several steps: each launch must find its counters zeroed by the one before
+            let mut first = None;
+            for step in 0..4 {
+                let raw = rng.vec(d, 1.0);
+                let res = rng.vec(d, 1.0);
+                let (_, want_f) = moe_block(&cpu, &lc, &gc, &raw, &res, 1, d);
+                let (three, three_f) = moe_block(&bf, &l3, &g3, &raw, &res, 1, d);
+                let before = fk.stats().fk1_launches;
+                let (got, got_f) = moe_block(&fk, &l1, &g1, &raw, &res, 1, d);
+                assert_eq!(fk.stats().fk1_launches, before + 1, "moe_fk1 did not run");
+                let (err, err_f) = (max_err(&got, &three, d), max_err(&got_f, &three_f, d));
+                let (cpu_err, three_cpu) =
+                    (max_err(&got_f, &want_f, d), max_err(&three_f, &want_f, d));
+                eprintln!(
+                    "d {d}, inter {inter}, {e} experts top {k}, {sh} shared slots, step {step}: split-k vs three launches {err:.2e} (layer {err_f:.2e}); layer vs the CPU {cpu_err:.2e} (three launches {three_cpu:.2e})"
+                );
+                assert!(err < 3e-2 && err_f < 3e-2, "step {step}: {err:e} {err_f:e}");
+                assert!(
+                    cpu_err < 2.0 * three_cpu + 1e-2,
+                    "step {step}: {cpu_err:e} from the CPU against {three_cpu:e}"
+                );
+                let (a, c) = (bf.expert_load(&l3).unwrap(), fk.expert_load(&l1).unwrap());
+                assert_eq!(a.last_step, c.last_step, "tokens per expert");
+                assert_eq!(a.total, c.total);
+                // the same input gives the same bits again (the sums' order is fixed)
+                if step == 0 {
+                    first = Some((raw, res, got, got_f));
+                }
+            }
+            let (raw, res, got, got_f) = first.unwrap();
+            let again = moe_block(&fk, &l1, &g1, &raw, &res, 1, d);
+            assert!(
+                again.0 == got && again.1 == got_f,
+                "moe_fk1 is not deterministic"
+            );
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -186,6 +186,14 @@ pub struct CudaOptions {
     /// more grid-wide count before the routing reads the stream; the same outputs to the bit;
     /// `DEEPINFER_CUDA_FFN1_PREV=1` turns it on, `0` off.
     pub ffn1_prev: bool,
+    /// A one-token step that `moe_ffn1` would take runs `moe_fk1` instead: the down product
+    /// split by expert row, so each warp adds its expert rows' down contributions into its own
+    /// partial sums right after their gate/up values and the blocks meet once, at the end,
+    /// instead of between gate/up and down. Needs every down matrix transposed (made when the
+    /// layer first runs: the layer's down bytes again in device memory); the sums run in
+    /// another order than `moe_ffn1`'s, so outputs differ by rounding;
+    /// `DEEPINFER_CUDA_MOE_SPLITK=1` turns it on, `0` off.
+    pub moe_splitk: bool,
     /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24
     /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
     /// beside it (`mla_dec1`'s) (`DEEPINFER_CUDA_FFN1_PAGES=N`, a multiple of 8).
@@ -373,6 +381,7 @@ impl Default for CudaOptions {
             moe_gemm_min: 4,
             moe_wg: true,
             moe_ffn1: true,
+            moe_splitk: false,
             ffn1_next: false,
             ffn1_prev: false,
             ffn1_pages: 0,
@@ -471,6 +480,7 @@ impl CudaOptions {
         };
         switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
         switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
+        switch("DEEPINFER_CUDA_MOE_SPLITK", &mut o.moe_splitk)?;
         count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
         if o.ffn1_pages % 8 != 0 {
             return Err(Error::BadConfig(format!(

@@ -410,6 +410,11 @@ pub struct DeepseekKernels {
     pub moe_ffn1: Option<KernelId>,
     /// The dynamic shared memory `moe_ffn1` may ask for, bytes.
     pub moe_ffn1_smem: u32,
+    /// `moe_fk1`: `moe_ffn1`'s layer with the down product split by expert row (its down
+    /// matrices transposed), on the same terms.
+    pub moe_fk1: Option<KernelId>,
+    /// The dynamic shared memory `moe_fk1` may ask for, bytes.
+    pub moe_fk1_smem: u32,
 }
 
 /// Query heads per block of the decode attention instantiations (`MAXG`).
@@ -482,6 +487,8 @@ pub struct Module {
     pub rope_table: KernelId,
     pub weight_to_bf16: KernelId,
     pub weight_to_f32: KernelId,
+    /// `transpose_bf16`: a bf16 matrix transposed (`moe_fk1`'s down matrices).
+    pub transpose_bf16: KernelId,
     /// By activation type (f32, bf16).
     pub deepseek: [DeepseekKernels; 2],
     pub moe_plan: KernelId,
@@ -681,6 +688,7 @@ impl Module {
         let rope_table = get("rope_table".into())?;
         let weight_to_bf16 = get("weight_to_bf16".into())?;
         let weight_to_f32 = get("weight_to_f32".into())?;
+        let transpose_bf16 = get("transpose_bf16".into())?;
         let mut ds = |s: &str| -> Result<DeepseekKernels> {
             let mut n = |b: &str| get(format!("{b}_{s}"));
             Ok(DeepseekKernels {
@@ -719,6 +727,12 @@ impl Module {
                     None
                 },
                 moe_ffn1_smem: 0,
+                moe_fk1: if s == "bf16" && major >= 9 {
+                    Some(n("moe_fk1")?)
+                } else {
+                    None
+                },
+                moe_fk1_smem: 0,
                 moe_gu_dec: [
                     [n("moe_gu_dec_wf32_n1")?, n("moe_gu_dec_wf32_n8")?],
                     [n("moe_gu_dec_wbf16_n1")?, n("moe_gu_dec_wbf16_n8")?],
@@ -814,13 +828,20 @@ impl Module {
                 let f = funcs[k.0 as usize].cu_function();
                 *own = raise_dyn_smem(f, max_smem, usize::MAX).unwrap_or(0);
             }
-            if let Some(k) = ds.moe_ffn1 {
-                let f = funcs[k.0 as usize].cu_function();
-                ds.moe_ffn1_smem = raise_dyn_smem(f, max_smem, usize::MAX)
-                    .filter(|&smem| blocks_per_sm(f, MOE_FFN1_THREADS, smem) >= 1)
-                    .unwrap_or(0);
-                if ds.moe_ffn1_smem == 0 {
-                    ds.moe_ffn1 = None;
+            // the persistent one-token MoE launches: the most shared memory that still leaves
+            // a block an SM, or none
+            for (kernel, smem) in [
+                (&mut ds.moe_ffn1, &mut ds.moe_ffn1_smem),
+                (&mut ds.moe_fk1, &mut ds.moe_fk1_smem),
+            ] {
+                if let Some(k) = *kernel {
+                    let f = funcs[k.0 as usize].cu_function();
+                    *smem = raise_dyn_smem(f, max_smem, usize::MAX)
+                        .filter(|&smem| blocks_per_sm(f, MOE_FFN1_THREADS, smem) >= 1)
+                        .unwrap_or(0);
+                    if *smem == 0 {
+                        *kernel = None;
+                    }
                 }
             }
             if let Some(k) = ds.mla_layer1 {
@@ -845,6 +866,7 @@ impl Module {
             bf16,
             rope_table,
             weight_to_bf16,
+            transpose_bf16,
             weight_to_f32,
             deepseek,
             moe_plan,
@@ -992,6 +1014,8 @@ mod tests {
             "moe_plan2",
             "moe_route8_bf16",
             "moe_ffn1_bf16",
+            "moe_fk1_bf16",
+            "transpose_bf16",
             "moe_gu_mma",
             "moe_dn_mma",
             "moe_gu_gemm",

@@ -64,6 +64,19 @@ struct MoeDevice {
     /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
     /// type or width), else (slots, gate, up, down addresses; 0 slots without shared experts).
     dec_shared: Option<(usize, [u64; 3])>,
+    /// The transposed down matrices `moe_fk1` reads, where [`CudaOptions::moe_splitk`] asks.
+    split: Option<MoeSplit>,
+}
+
+/// `moe_fk1`'s weights: every down matrix transposed, `[inter, d]`, so an expert row's gate,
+/// up and down values are three contiguous rows.
+struct MoeSplit {
+    /// `[gate; E]`, `[up; E]`, `[down transposed; E]` addresses.
+    ptrs: DevMem,
+    /// The shared experts' down matrix transposed, `[shared inter, d]` (0 without).
+    shared_downt: u64,
+    /// The experts' transposed copies, then the shared experts'.
+    _mem: DevMem,
 }
 
 fn bytes_of<T: Copy>(v: &[T], f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
@@ -142,6 +155,15 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
             ok.then(|| (s.inter / inter, [s.gate.ptr(), s.up.ptr(), s.down.ptr()]))
         }
     };
+    let split = if inner.opts.moe_ffn1
+        && inner.opts.moe_splitk
+        && wi == 1
+        && inner.module.deepseek[1].moe_fk1.is_some()
+    {
+        build_split(inner, layer, d, inter, &ptrs[..2 * e], dec_shared)?
+    } else {
+        None
+    };
     // [0]: the decode routing's arrivals; [1..6]: `moe_ffn1`'s (logits, gate/up, blocks done,
     // residual rows, the o product's rows)
     let counter = DevMem::alloc(&inner.ctx, 24)?;
@@ -158,7 +180,66 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         wi,
         counter,
         dec_shared,
+        split,
     })
+}
+
+/// Transposed copies of the down matrices of a bf16 layer for `moe_fk1` (queued, so they run
+/// before any launch that reads them): `None` where a down matrix's rows are not packed or
+/// the shared experts are not slots of the decode kernels. Costs the layer's down bytes again
+/// in device memory.
+fn build_split(
+    inner: &Arc<Inner>,
+    layer: &MoeLayer<CudaWeight>,
+    d: usize,
+    inter: usize,
+    gate_up: &[u64],
+    dec_shared: Option<(usize, [u64; 3])>,
+) -> Result<Option<MoeSplit>> {
+    let Some((n_shared, _)) = dec_shared else {
+        return Ok(None);
+    };
+    let shared_down = layer.shared.as_ref().map(|s| &s.down);
+    let downs: Vec<&CudaWeight> = layer.experts.iter().map(|m| &m.down).collect();
+    let packed = |w: &CudaWeight| w.row_bytes == w.cols * 2 && w.rows <= i32::MAX as usize;
+    if !downs.iter().copied().chain(shared_down).all(packed) {
+        return Ok(None);
+    }
+    let block = inter * d * 2;
+    let mem = DevMem::alloc(&inner.ctx, (downs.len() + n_shared) * block)?;
+    let mut ptrs = gate_up.to_vec();
+    let transpose = |w: &CudaWeight, at: u64| {
+        inner.push(Op::Launch {
+            kernel: inner.module.transpose_bf16,
+            grid: [w.cols.div_ceil(32) as u32, w.rows.div_ceil(32) as u32, 1],
+            block: 256,
+            smem: 0,
+            args: vec![at, w.ptr(), w.rows as u64, w.cols as u64],
+        });
+    };
+    for (j, w) in downs.iter().enumerate() {
+        let at = mem.ptr + (j * block) as u64;
+        transpose(w, at);
+        ptrs.push(at);
+    }
+    let shared_downt = match shared_down {
+        Some(w) => {
+            let at = mem.ptr + (downs.len() * block) as u64;
+            transpose(w, at);
+            at
+        }
+        None => 0,
+    };
+    let table = DevMem::alloc(&inner.ctx, ptrs.len() * 8)?;
+    table.upload(
+        &inner.stream,
+        &bytes_of(&ptrs, |p: u64| p.to_le_bytes().to_vec()),
+    )?;
+    Ok(Some(MoeSplit {
+        ptrs: table,
+        shared_downt,
+        _mem: mem,
+    }))
 }
 
 fn state<'a>(
@@ -518,6 +599,30 @@ fn ffn1_fits(
     })
 }
 
+/// Most ring pages of `moe_fk1` (`MOEK_MAXP`).
+const FK1_MAX_PAGES: usize = 16;
+/// Parameters of `moe_fk1` (out, res, ..., d (19), ..., page), laid out as `moe_ffn1`'s
+/// first ones.
+const FK1_ARGS: usize = 29;
+
+/// `moe_fk1`'s launch shape where a one-token step that `moe_ffn1` takes may take it instead:
+/// the layer's transposed down matrices made, and room for [`FFN1_MIN_PAGES`] pages of three
+/// rows (the gate, up and transposed down rows of one expert row) that also hold the 8 warps'
+/// `d` partial sums.
+fn fk1_fits(inner: &Inner, st: &MoeDevice, d: usize) -> Option<Ffn1> {
+    st.split.as_ref()?;
+    let kern = &inner.module.deepseek[1];
+    let kernel = kern.moe_fk1?;
+    let page = 3 * d * 2;
+    let pages = (kern.moe_fk1_smem as usize / page).min(FK1_MAX_PAGES) / FFN1_WARPS * FFN1_WARPS;
+    (pages >= FFN1_MIN_PAGES && pages * page >= FFN1_WARPS * d * 4).then_some(Ffn1 {
+        kernel,
+        smem: (pages * page) as u32,
+        pages,
+        page,
+    })
+}
+
 /// A decode step's MoE layer in three launches (`moe_*_dec` in `kernels/moe.cu`): routing
 /// (with an RMSNorm queued just before whose output is `x` folded in) and the plan; the
 /// experts' gate/up products with SiLU, shared experts included; the down products weighted
@@ -562,7 +667,56 @@ fn forward_decode(
     let (src, gain, eps) = norm.unwrap_or((x.ptr(), 0, 0));
     let grouped = cfg.n_group > 1 && cfg.topk_group < cfg.n_group;
     if n == 1 && !grouped {
-        if let Some(f) = ffn1_fits(inner, st, d, inter, e, k, n_shared) {
+        let ffn1 = ffn1_fits(inner, st, d, inter, e, k, n_shared);
+        if let (Some(_), Some(f), Some(sp)) = (&ffn1, fk1_fits(inner, st, d), &st.split) {
+            // the blocks' partial sums of the output
+            let part = inner.scratch(inner.module.sms * d, 4)?;
+            let args = vec![
+                out.ptr(),
+                0,
+                x.ptr(),
+                src,
+                gain,
+                eps,
+                part.ptr(),
+                logits.ptr(),
+                st.counter.ptr + 4,
+                st.totals.ptr,
+                st.last.ptr,
+                gate.ptr(),
+                gate.wtype as u64,
+                gate.row_bytes as u64,
+                st.bias.as_ref().map_or(0, |b| b.ptr),
+                sp.ptrs.ptr,
+                shared[0],
+                shared[1],
+                sp.shared_downt,
+                d as u64,
+                e as u64,
+                k as u64,
+                n_shared as u64,
+                inter as u64,
+                score,
+                cfg.norm_topk_prob as u64,
+                cfg.scaling.to_bits() as u64,
+                f.pages as u64,
+                f.page as u64,
+            ];
+            debug_assert_eq!(args.len(), FK1_ARGS);
+            let mut q = inner.queue();
+            q.push(Op::Launch {
+                kernel: f.kernel,
+                grid: [inner.module.sms as u32, 1, 1],
+                block: MOE_FFN1_THREADS,
+                smem: f.smem,
+                args,
+            });
+            q.stats.fk1_launches += 1;
+            drop(q);
+            layer.count_device_step();
+            return Ok(());
+        }
+        if let Some(f) = ffn1 {
             let act = inner.scratch((k + n_shared) * inter, 2)?;
             let mut args = vec![
                 out.ptr(),
@@ -767,13 +921,15 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     let Some(Op::Launch { kernel, args, .. }) = q.last_mut() else {
         return false;
     };
-    // Both kernels take out, res, then a buffer `res` must not be: moe_down_dec's arguments
+    // The kernels take out, res, then a buffer `res` must not be: moe_down_dec's arguments
     // are out, res, h, ..., n (10), d (11), inter, early, then the prefetch ranges; moe_ffn1's
-    // out, res, the normalized row, ..., d (19) (it reads its input before any block writes
+    // and moe_fk1's out, res, the normalized row, ..., d (19) (it reads its input before any block writes
     // `res`, grid-wide counters in between, so `res` may be that input).
     let values = if is_down_dec(&inner.module, *kernel, args) {
         args[10] * args[11]
-    } else if inner.module.deepseek[1].moe_ffn1 == Some(*kernel) && args.len() == FFN1_ARGS {
+    } else if (inner.module.deepseek[1].moe_ffn1 == Some(*kernel) && args.len() == FFN1_ARGS)
+        || (inner.module.deepseek[1].moe_fk1 == Some(*kernel) && args.len() == FK1_ARGS)
+    {
         args[19]
     } else {
         return false;

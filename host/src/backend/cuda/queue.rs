@@ -207,6 +207,8 @@ pub struct QueueStats {
     pub ffn1_next_folds: u64,
     /// Products taken into the `moe_ffn1` launch after them (`moe::fold_prev_acc_gemv`).
     pub ffn1_prev_folds: u64,
+    /// One-token MoE layers queued as `moe_fk1` (`CudaOptions::moe_splitk`).
+    pub fk1_launches: u64,
 }
 
 /// Most graphs kept (least recently used dropped first).
