@@ -1931,13 +1931,14 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 // Not bit-identical to moe_ffn1: the down sums run in another order.
 #define MOEK_MAXP 16                          // most ring pages (a multiple of MOEF_WARPS)
 #define MOEK_TPR 16                           // threads a row of the final sum
+#define MOEK_MAXG 256                         // most blocks (a multiple of MOEK_TPR)
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, float* part,
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_downt, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
-    int page) {
+    int page, const u8* l2_0, long l2_bytes0, const u8* l2_1, long l2_bytes1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 moef_smem[];
     __shared__ __align__(8) u64 bars[MOEK_MAXP];
@@ -1958,6 +1959,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     const long rt0 = urt * gw / W, nrt = urt * (gw + 1) / W - rt0;
     const int my_units = (int)(nsh + nrt);
     const u32 row = (u32)d * 2;
+    const u8* l2[2] = {l2_0, l2_1};
+    const long l2_bytes[2] = {l2_bytes0, l2_bytes1};
     if (tid == 0) {
         for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, 1);
         mbar_init_fence();
@@ -1996,19 +1999,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     moe_tok1_pre(t, gain, ptrs, bias, E, mine);
     pdl_wait();
     float hr[MOEF_MAXJ][8];
-    moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, false,
-               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
-    __syncthreads();
-    di_trace_phase(1);
-    if (lane == 0)
-        while (issued < ppw && issued < my_units) issue(issued++);
     // the warp's partial sums of the output, chunk lane + 32 j
     float acc[MOEF_MAXJ][8];
 #pragma unroll
     for (int j = 0; j < MOEF_MAXJ; j++)
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[j][k] = 0.0f;
-    for (int i = 0; i < my_units; i++) {
+    int done = 0, lim = (int)nsh;  // units taken; units that may be asked for (routed: once picked)
+    // the warp's unit i: act_i from its gate and up rows, then w act_i times its down row
+    auto consume = [&](int i) {
         const int pg = warp * ppw + i % ppw;
         mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
         const bf16_t* wg = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
@@ -2037,20 +2036,16 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
             dv[j] = c < nch ? *reinterpret_cast<const uint4*>(wd + c * 8) : make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
-        if (lane == 0 && issued < my_units) issue(issued++);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-            for (int j = 0; j < MOEF_MAXJ; j++) {
-                a[j] += __shfl_xor_sync(0xffffffffu, a[j], o);
-                e[j] += __shfl_xor_sync(0xffffffffu, e[j], o);
-            }
+        if (lane == 0 && issued < lim) issue(issued++);
+        // the lane's sums first, then two butterflies
         float gs = 0.0f, us = 0.0f;
 #pragma unroll
         for (int j = 0; j < MOEF_MAXJ; j++) {
             gs += a[j];
             us += e[j];
         }
+        gs = warp_sum(gs);
+        us = warp_sum(us);
         const float wt = i < nsh ? 1.0f : selw[(rt0 + (i - nsh)) / inter];
         const float hv = wt * act_round(out, swiglu(gs, us));
 #pragma unroll
@@ -2060,8 +2055,33 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
 #pragma unroll
             for (int k = 0; k < 8; k++) acc[j][k] = fmaf(wf[k], hv, acc[j][k]);
         }
-    }
+    };
+    moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, false,
+               hs, red, cid, cw, sel, selw, [&] {
+                   moef_lane_row(hr, hs, nch);
+#ifdef MOEK_EARLY2
+                   // warps but the picking one take their shared units already asked for
+                   // while the logits come in, so their pages take routed units at once
+                   if (warp != 0)
+                       for (; done < nsh && done < ppw; done++) consume(done);
+#endif
+               });
+    __syncthreads();
+    di_trace_phase(1);
+    lim = my_units;
+    if (lane == 0)
+        while (issued < done + ppw && issued < my_units) issue(issued++);
+    for (; done < my_units; done++) consume(done);
     di_trace_phase(2);
+    // The memory idles from here to the launch's end: the block asks its share of the next
+    // launch's weights (`l2`: two address, bytes ranges; 0 bytes: none) into L2, 4 KB a lane
+    // of warp 0.
+    if (warp == 0)
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const long n = l2_bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
+            for (long p = p0 + lane; p < p1; p += 32) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
+        }
     // the warps' sums in warp order into part[b] (the ring is free: every copy was waited for)
     __syncthreads();
     float* ws = reinterpret_cast<float*>(moef_smem);
@@ -2089,26 +2109,39 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
         *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
     }
+    // rows [r0, r0 + nr) of the output: MOEK_TPR threads a row, thread q adding blocks q, q + 16, ...
+    const int r0 = (int)((long)d * b / G), nr = (int)((long)d * (b + 1) / G) - r0;
+    const int q = tid % MOEK_TPR;
+    // the residual values of the first rows, loaded while the grid meets (no other block writes them)
+    const int rr0 = tid / MOEK_TPR;
+    const float rv0 = res != nullptr && q == 0 && rr0 < nr ? act_load(res, r0 + rr0) : 0.0f;
     __syncthreads();
     if (tid == 0) grid_arrive_wait(&cnt[1], (u32)G);
     __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
-    // rows [r0, r0 + nr) of the output: MOEK_TPR threads a row, thread q adding blocks q, q + 16, ...
-    const int r0 = (int)((long)d * b / G), nr = (int)((long)d * (b + 1) / G) - r0;
-    const int q = tid % MOEK_TPR;
     for (int base = 0; base < nr; base += MOEF_THREADS / MOEK_TPR) {
-        const int rr = base + tid / MOEK_TPR;
+        const int rr = base + rr0;
         const bool ok = rr < nr;
+        // every load in flight before the sum
+        float pv[MOEK_MAXG / MOEK_TPR];
+#pragma unroll
+        for (int m = 0; m < MOEK_MAXG / MOEK_TPR; m++) {
+            const int p = q + MOEK_TPR * m;
+            pv[m] = ok && p < G ? __ldcg(part + (long)p * d + r0 + rr) : 0.0f;
+        }
         float v = 0.0f;
-        if (ok)
-            for (int p = q; p < G; p += MOEK_TPR) v += __ldcg(part + (long)p * d + r0 + rr);
+#pragma unroll
+        for (int m = 0; m < MOEK_MAXG / MOEK_TPR; m++) v += pv[m];
 #pragma unroll
         for (int o = MOEK_TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if (ok && q == 0) {
             const long r = r0 + rr;
             act_store(out, r, v);
-            if (res != nullptr) act_store(res, r, act_load_cg(res, r) + act_round(out, v));
+            if (res != nullptr) {
+                const float rv = base == 0 ? rv0 : act_load(res, r);
+                act_store(res, r, rv + act_round(out, v));
+            }
         }
     }
     di_trace_phase(4);

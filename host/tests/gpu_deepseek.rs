@@ -1272,6 +1272,56 @@ mod gpu {
                     first = Some((raw, res, got, got_f));
                 }
             }
+            if d == 2048 {
+                // followed by the next layer's norm and q/kv_a product, whose rows the launch
+                // asks into L2 at its end: the same results as without
+                let (mq, mk) = (3072, 576);
+                let gain2: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+                let (vq, vk, vo) = (
+                    rng.vec(mq * d, 0.05),
+                    rng.vec(mk * d, 0.05),
+                    rng.vec(d * d, 0.05),
+                );
+                let around = |b: &CudaBackend| {
+                    (
+                        b.prepare_weight(&bf16_weight(d, d, &vo)).unwrap(),
+                        b.prepare_weight(&Weight::from_f32(1, d, &gain2)).unwrap(),
+                        b.prepare_weight(&bf16_weight(mq, d, &vq)).unwrap(),
+                        b.prepare_weight(&bf16_weight(mk, d, &vk)).unwrap(),
+                    )
+                };
+                let (n3, n1) = (around(&bf), around(&fk));
+                let att = rng.vec(d, 1.0);
+                let res = rng.vec(d, 1.0);
+                let three = moe_block_next(
+                    &bf,
+                    &l3,
+                    &g3,
+                    (&n3.0, &att),
+                    (&n3.1, &n3.2, &n3.3),
+                    (mq, mk),
+                    &res,
+                    d,
+                );
+                let got = moe_block_next(
+                    &fk,
+                    &l1,
+                    &g1,
+                    (&n1.0, &att),
+                    (&n1.1, &n1.2, &n1.3),
+                    (mq, mk),
+                    &res,
+                    d,
+                );
+                for (i, what) in ["residual", "q", "kv_a", "normalized row", "o product"]
+                    .iter()
+                    .enumerate()
+                {
+                    let err = max_err(&got[i], &three[i], d);
+                    eprintln!("next product after moe_fk1: {what} vs the three launches {err:.2e}");
+                    assert!(err < 3e-2, "the {what} differs ({err:e})");
+                }
+            }
             let (raw, res, got, got_f) = first.unwrap();
             let again = moe_block(&fk, &l1, &g1, &raw, &res, 1, d);
             assert!(

@@ -194,6 +194,10 @@ pub struct CudaOptions {
     /// another order than `moe_ffn1`'s, so outputs differ by rounding;
     /// `DEEPINFER_CUDA_MOE_SPLITK=1` turns it on, `0` off.
     pub moe_splitk: bool,
+    /// A `moe_fk1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
+    /// product) asks that GEMV's weights into L2 once its blocks' units are done, while the
+    /// memory would idle (`moe::link_fk1_next`); `DEEPINFER_CUDA_FK1_L2=0` turns it off.
+    pub fk1_l2: bool,
     /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24
     /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
     /// beside it (`mla_dec1`'s) (`DEEPINFER_CUDA_FFN1_PAGES=N`, a multiple of 8).
@@ -382,6 +386,7 @@ impl Default for CudaOptions {
             moe_wg: true,
             moe_ffn1: true,
             moe_splitk: false,
+            fk1_l2: true,
             ffn1_next: false,
             ffn1_prev: false,
             ffn1_pages: 0,
@@ -481,6 +486,7 @@ impl CudaOptions {
         switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
         switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
         switch("DEEPINFER_CUDA_MOE_SPLITK", &mut o.moe_splitk)?;
+        switch("DEEPINFER_CUDA_FK1_L2", &mut o.fk1_l2)?;
         count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
         if o.ffn1_pages % 8 != 0 {
             return Err(Error::BadConfig(format!(
@@ -800,6 +806,7 @@ impl CudaBackend {
         queue.next_l2 = opts.ds2.next_l2;
         queue.ffn1_next = opts.moe_ffn1 && opts.ffn1_next;
         queue.ffn1_prev = opts.moe_ffn1 && opts.ffn1_prev;
+        queue.fk1_l2 = opts.moe_ffn1 && opts.moe_splitk && opts.fk1_l2;
         if let (Some(path), Some(table)) = (trace::requested(), module.trace_table) {
             queue.tracer = Some(trace::Tracer::new(path, table)?);
         }

@@ -601,9 +601,14 @@ fn ffn1_fits(
 
 /// Most ring pages of `moe_fk1` (`MOEK_MAXP`).
 const FK1_MAX_PAGES: usize = 16;
+/// Most blocks (SMs) of `moe_fk1` (`MOEK_MAXG`).
+const FK1_MAX_BLOCKS: usize = 256;
 /// Parameters of `moe_fk1` (out, res, ..., d (19), ..., page), laid out as `moe_ffn1`'s
-/// first ones.
-const FK1_ARGS: usize = 29;
+/// first ones, then [`FK1_L2`]'s.
+const FK1_ARGS: usize = 33;
+/// Where `moe_fk1`'s two (address, bytes) ranges of the next launch's weights start, which
+/// its blocks ask into L2 once their units are done (`link_fk1_next`; zero: none).
+const FK1_L2: usize = 29;
 
 /// `moe_fk1`'s launch shape where a one-token step that `moe_ffn1` takes may take it instead:
 /// the layer's transposed down matrices made, and room for [`FFN1_MIN_PAGES`] pages of three
@@ -611,6 +616,9 @@ const FK1_ARGS: usize = 29;
 /// `d` partial sums.
 fn fk1_fits(inner: &Inner, st: &MoeDevice, d: usize) -> Option<Ffn1> {
     st.split.as_ref()?;
+    if inner.module.sms > FK1_MAX_BLOCKS {
+        return None;
+    }
     let kern = &inner.module.deepseek[1];
     let kernel = kern.moe_fk1?;
     let page = 3 * d * 2;
@@ -671,7 +679,7 @@ fn forward_decode(
         if let (Some(_), Some(f), Some(sp)) = (&ffn1, fk1_fits(inner, st, d), &st.split) {
             // the blocks' partial sums of the output
             let part = inner.scratch(inner.module.sms * d, 4)?;
-            let args = vec![
+            let mut args = vec![
                 out.ptr(),
                 0,
                 x.ptr(),
@@ -702,7 +710,9 @@ fn forward_decode(
                 f.pages as u64,
                 f.page as u64,
             ];
-            debug_assert_eq!(args.len(), FK1_ARGS);
+            // the next launch's weights: none until `link_fk1_next` finds them
+            debug_assert_eq!(args.len(), FK1_L2);
+            args.resize(FK1_ARGS, 0);
             let mut q = inner.queue();
             q.push(Op::Launch {
                 kernel: f.kernel,
@@ -1121,6 +1131,35 @@ pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module) {
         for (j, seg) in g.p.segs.iter().take(2).enumerate() {
             args[14 + 2 * j] = seg.0;
             args[15 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
+        }
+    }
+}
+
+/// Gives each `moe_fk1` launch of a pass that a one-token staged GEMV follows (the next
+/// layer's q/kv_a product, its norm folded in) that GEMV's first two weight segments, which
+/// its blocks ask into L2 while the memory idles at the launch's end (the blocks' sums
+/// meeting), so the GEMV, whose blocks find no room beside `moe_fk1`'s, reads them from L2.
+pub(crate) fn link_fk1_next(ops: &mut [Op], m: &Module) {
+    let Some(fk1) = m.deepseek[1].moe_fk1 else {
+        return;
+    };
+    let staged = |k: KernelId| {
+        [m.bf16.gemvp, m.bf16.gemvp_wide]
+            .iter()
+            .any(|g| g.is_some_and(|g| g.contains(&k)))
+    };
+    for i in 1..ops.len() {
+        let (a, b) = ops.split_at_mut(i);
+        let (Some(Op::Launch { kernel, args, .. }), Some(Op::Gemv(g))) = (a.last_mut(), b.first())
+        else {
+            continue;
+        };
+        if *kernel != fk1 || args.len() != FK1_ARGS || !staged(g.kernel) {
+            continue;
+        }
+        for (j, seg) in g.p.segs.iter().take(2).enumerate() {
+            args[FK1_L2 + 2 * j] = seg.0;
+            args[FK1_L2 + 1 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
         }
     }
 }

@@ -231,6 +231,8 @@ pub struct Queue {
     pub ffn1_next: bool,
     /// `CudaOptions::ffn1_prev`: passes go through `moe::fold_prev_acc_gemv` before they run.
     pub ffn1_prev: bool,
+    /// `CudaOptions::fk1_l2`: passes go through `moe::link_fk1_next` before they run.
+    pub fk1_l2: bool,
 }
 
 impl Queue {
@@ -245,6 +247,7 @@ impl Queue {
             next_l2: false,
             ffn1_next: false,
             ffn1_prev: false,
+            fk1_l2: false,
             stats: QueueStats::default(),
         }
     }
@@ -329,6 +332,9 @@ impl Queue {
         }
         if self.next_l2 {
             super::moe::link_next_weights(&mut ops, m);
+        }
+        if self.fk1_l2 {
+            super::moe::link_fk1_next(&mut ops, m);
         }
         self.stats.flushes += 1;
         self.stats.ops += ops.len() as u64;
