@@ -1505,6 +1505,27 @@ __device__ __forceinline__ void moef_lane_row(float (&hr)[MOEF_MAXJ][8], const f
     }
 }
 
+// A lane's partial dot products of a gate row `wg` and an up row `wu` (staged bf16) with the
+// row it holds in `hr`: chunk lane + 32 j of each into a[j], e[j].
+__device__ __forceinline__ void moef_gu_partials(float (&a)[MOEF_MAXJ], float (&e)[MOEF_MAXJ], const bf16_t* wg,
+                                                 const bf16_t* wu, const float (&hr)[MOEF_MAXJ][8], int nch) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < MOEF_MAXJ; j++) {
+        const int c = lane + 32 * j;
+        a[j] = e[j] = 0.0f;
+        if (c < nch) {
+            float wf[8];
+            bf16x8_to_f32(*reinterpret_cast<const uint4*>(wg + c * 8), wf);
+#pragma unroll
+            for (int k = 0; k < 8; k++) a[j] = fmaf(wf[k], hr[j][k], a[j]);
+            bf16x8_to_f32(*reinterpret_cast<const uint4*>(wu + c * 8), wf);
+#pragma unroll
+            for (int k = 0; k < 8; k++) e[j] = fmaf(wf[k], hr[j][k], e[j]);
+        }
+    }
+}
+
 // The routing of a one-token launch of a block an SM (moe_ffn1, moe_fk1), after the
 // programmatic wait: every block normalizes the token into `hs` (block b writing its share of
 // `hn`; `cg`: the stream read past L1, another block of the grid wrote it), block b < E
@@ -1759,20 +1780,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // the 16 partial sums first, then their butterflies side by side (warp_sum's order):
         // independent chains, where one sum after another would leave the warp waiting
         float a[MOEF_MAXJ], e[MOEF_MAXJ];
-#pragma unroll
-        for (int j = 0; j < MOEF_MAXJ; j++) {
-            const int c = lane + 32 * j;
-            a[j] = e[j] = 0.0f;
-            if (c < nch) {
-                float wf[8];
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wg + c * 8), wf);
-#pragma unroll
-                for (int k = 0; k < 8; k++) a[j] = fmaf(wf[k], hr[j][k], a[j]);
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wu + c * 8), wf);
-#pragma unroll
-                for (int k = 0; k < 8; k++) e[j] = fmaf(wf[k], hr[j][k], e[j]);
-            }
-        }
+        moef_gu_partials(a, e, wg, wu, hr, nch);
         __syncwarp();
         if (lane == 0 && issued < my_units) issue(issued++);
 #pragma unroll
@@ -1967,6 +1975,18 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     }
     __syncthreads();
     int issued = 0;
+    // part `part` of `parts` of this block's share of the next launch's weights asked into L2:
+    // its 4 KB pieces first, first + step, ...
+    auto l2_pieces = [&](int part, int parts, int first, int step) {
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const long m = l2_bytes[k] >> 12, p0 = m * b / G, n = m * (b + 1) / G - p0;
+            const long q0 = p0 + n * part / parts, q1 = p0 + n * (part + 1) / parts;
+            for (long p = q0 + first; p < q1; p += step) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
+        }
+    };
+    bool pf = false;
+    (void)pf;
     // the warp's i-th unit into its page (lane 0; routed units once the routing is done)
     auto issue = [&](int i) {
         const int pg = warp * ppw + i % ppw;
@@ -2014,20 +2034,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         const bf16_t* wu = wg + d;
         const bf16_t* wd = wg + 2 * d;
         float a[MOEF_MAXJ], e[MOEF_MAXJ];
-#pragma unroll
-        for (int j = 0; j < MOEF_MAXJ; j++) {
-            const int c = lane + 32 * j;
-            a[j] = e[j] = 0.0f;
-            if (c < nch) {
-                float wf[8];
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wg + c * 8), wf);
-#pragma unroll
-                for (int k = 0; k < 8; k++) a[j] = fmaf(wf[k], hr[j][k], a[j]);
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(wu + c * 8), wf);
-#pragma unroll
-                for (int k = 0; k < 8; k++) e[j] = fmaf(wf[k], hr[j][k], e[j]);
-            }
-        }
+        moef_gu_partials(a, e, wg, wu, hr, nch);
         // the down row's chunks of this lane, out of the page before it is asked for again
         uint4 dv[MOEF_MAXJ];
 #pragma unroll
@@ -2037,6 +2044,13 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
         __syncwarp();
         if (lane == 0 && issued < lim) issue(issued++);
+#ifdef MOEK_L2EARLY
+        // the warp's share of the next launch's weights into L2 once its last unit is asked for
+        if (lane == 0 && issued == my_units && !pf) {
+            pf = true;
+            l2_pieces(warp, MOEF_WARPS, 0, 1);
+        }
+#endif
         // the lane's sums first, then two butterflies
         float gs = 0.0f, us = 0.0f;
 #pragma unroll
@@ -2076,12 +2090,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     // The memory idles from here to the launch's end: the block asks its share of the next
     // launch's weights (`l2`: two address, bytes ranges; 0 bytes: none) into L2, 4 KB a lane
     // of warp 0.
-    if (warp == 0)
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const long n = l2_bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
-            for (long p = p0 + lane; p < p1; p += 32) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
-        }
+#ifndef MOEK_L2EARLY
+    if (warp == 0) l2_pieces(0, 1, lane, 32);
+#endif
     // the warps' sums in warp order into part[b] (the ring is free: every copy was waited for)
     __syncthreads();
     float* ws = reinterpret_cast<float*>(moef_smem);

@@ -703,7 +703,8 @@ mod gpu {
     }
 
     impl MoeHost {
-        /// The layer on `be`, its expert matrices in bf16.
+        /// The layer on `be`, its expert matrices in bf16 (no shared experts when
+        /// `shared_mult` is 0).
         fn bf16_layer<B: Backend>(
             &self,
             be: &B,
@@ -718,7 +719,7 @@ mod gpu {
                 &self.experts,
                 &self.gate,
                 self.bias.clone(),
-                Some(&self.shared),
+                (shared_mult > 0).then_some(&self.shared),
                 d,
                 inter,
                 shared_mult,
@@ -929,45 +930,94 @@ mod gpu {
         (be.to_host(&r).unwrap(), be.to_host(&f).unwrap())
     }
 
-    /// A decoder layer's second half as it queues its work: the attention's o product `wo`
-    /// of `att` added into the residual stream, the RMSNorm of the stream, the MoE layer and
-    /// its add, then the next layer's RMSNorm of the stream and its two products (q and kv_a):
-    /// (residual, q, kv_a, normalized row, o product).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_block_next<B: Backend>(
-        be: &B,
-        layer: &MoeLayer<B::Weight>,
-        gain: &B::Weight,
-        (wo, att): (&B::Weight, &[f32]),
-        (gain2, wq, wk): (&B::Weight, &B::Weight, &B::Weight),
-        (mq, mk): (usize, usize),
-        res: &[f32],
+    /// The products around a MoE layer in a decoder layer's second half: the attention's o
+    /// product (`ko` columns), then the next layer's RMSNorm gain and its q and kv_a products
+    /// (`mq`, `mk` rows), random.
+    struct NextCase {
+        vo: Vec<f32>,
+        gain: Vec<f32>,
+        vq: Vec<f32>,
+        vk: Vec<f32>,
+        mq: usize,
+        mk: usize,
+        ko: usize,
         d: usize,
-    ) -> [Vec<f32>; 5] {
-        let a = be.upload(att).unwrap();
-        let mut r = be.upload(res).unwrap();
-        let mut o = be.zeros(d).unwrap();
-        be.matmul(wo, &a, 1, &mut o).unwrap();
-        be.add_assign(&mut r, &o).unwrap();
-        let mut h = be.zeros(d).unwrap();
-        be.rms_norm(&r, gain, 1e-6, &mut h).unwrap();
-        let mut f = be.zeros(d).unwrap();
-        be.moe(layer, &h, &[0], 1, d, &mut f).unwrap();
-        be.add_assign(&mut r, &f).unwrap();
-        let mut h2 = be.zeros(d).unwrap();
-        be.rms_norm(&r, gain2, 1e-6, &mut h2).unwrap();
-        let mut q = be.zeros(mq).unwrap();
-        be.matmul(wq, &h2, 1, &mut q).unwrap();
-        let mut kv = be.zeros(mk).unwrap();
-        be.matmul(wk, &h2, 1, &mut kv).unwrap();
-        [
-            be.to_host(&r).unwrap(),
-            be.to_host(&q).unwrap(),
-            be.to_host(&kv).unwrap(),
-            be.to_host(&h2).unwrap(),
-            be.to_host(&o).unwrap(),
-        ]
     }
+
+    impl NextCase {
+        fn random(rng: &mut Rng, d: usize, (mq, mk, ko): (usize, usize, usize)) -> NextCase {
+            let gain = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+            let (vq, vk) = (rng.vec(mq * d, 0.05), rng.vec(mk * d, 0.05));
+            let vo = rng.vec(d * ko, 0.05);
+            NextCase {
+                vo,
+                gain,
+                vq,
+                vk,
+                mq,
+                mk,
+                ko,
+                d,
+            }
+        }
+
+        /// The products' weights on `b` (o, gain, q, kv_a), bf16.
+        fn weights<B: Backend>(&self, b: &B) -> [B::Weight; 4] {
+            let d = self.d;
+            [
+                b.prepare_weight(&bf16_weight(d, self.ko, &self.vo))
+                    .unwrap(),
+                b.prepare_weight(&Weight::from_f32(1, d, &self.gain))
+                    .unwrap(),
+                b.prepare_weight(&bf16_weight(self.mq, d, &self.vq))
+                    .unwrap(),
+                b.prepare_weight(&bf16_weight(self.mk, d, &self.vk))
+                    .unwrap(),
+            ]
+        }
+
+        /// The second half as it queues its work: the o product of `att` added into the
+        /// residual stream `res`, the RMSNorm of the stream, the MoE layer and its add, then the
+        /// next layer's RMSNorm of the stream and its two products (q and kv_a): (residual, q,
+        /// kv_a, normalized row, o product).
+        fn run<B: Backend>(
+            &self,
+            be: &B,
+            layer: &MoeLayer<B::Weight>,
+            gain: &B::Weight,
+            [wo, gain2, wq, wk]: &[B::Weight; 4],
+            att: &[f32],
+            res: &[f32],
+        ) -> [Vec<f32>; 5] {
+            let d = self.d;
+            let a = be.upload(att).unwrap();
+            let mut r = be.upload(res).unwrap();
+            let mut o = be.zeros(d).unwrap();
+            be.matmul(wo, &a, 1, &mut o).unwrap();
+            be.add_assign(&mut r, &o).unwrap();
+            let mut h = be.zeros(d).unwrap();
+            be.rms_norm(&r, gain, 1e-6, &mut h).unwrap();
+            let mut f = be.zeros(d).unwrap();
+            be.moe(layer, &h, &[0], 1, d, &mut f).unwrap();
+            be.add_assign(&mut r, &f).unwrap();
+            let mut h2 = be.zeros(d).unwrap();
+            be.rms_norm(&r, gain2, 1e-6, &mut h2).unwrap();
+            let mut q = be.zeros(self.mq).unwrap();
+            be.matmul(wq, &h2, 1, &mut q).unwrap();
+            let mut kv = be.zeros(self.mk).unwrap();
+            be.matmul(wk, &h2, 1, &mut kv).unwrap();
+            [
+                be.to_host(&r).unwrap(),
+                be.to_host(&q).unwrap(),
+                be.to_host(&kv).unwrap(),
+                be.to_host(&h2).unwrap(),
+                be.to_host(&o).unwrap(),
+            ]
+        }
+    }
+
+    /// What [`NextCase::run`] returns, by name.
+    const NEXT_OUTPUTS: [&str; 5] = ["residual", "q", "kv_a", "normalized row", "o product"];
 
     #[test]
     fn moe_decode_kernels_with_bf16_experts_fold_the_norm_and_the_add() {
@@ -1100,47 +1150,20 @@ mod gpu {
             // 2048 take the staged GEMV, which the one launch takes in): Moonlight's rows, then
             // odd row counts (a block's last unit of one row) after an o product over rows of
             // 1032, which the staged GEMV does not take, so it stays a launch of its own
-            for (mq, mk, ko) in [(3072, 576, 2048), (201, 75, 1032)] {
-                let gain2: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
-                let (vq, vk) = (rng.vec(mq * d, 0.05), rng.vec(mk * d, 0.05));
-                let vo = rng.vec(d * ko, 0.05);
-                let around = |b: &CudaBackend| {
-                    (
-                        b.prepare_weight(&bf16_weight(d, ko, &vo)).unwrap(),
-                        b.prepare_weight(&Weight::from_f32(1, d, &gain2)).unwrap(),
-                        b.prepare_weight(&bf16_weight(mq, d, &vq)).unwrap(),
-                        b.prepare_weight(&bf16_weight(mk, d, &vk)).unwrap(),
-                    )
-                };
-                let (n3, n1) = (around(&bf), around(&one));
+            for shape in [(3072, 576, 2048), (201, 75, 1032)] {
+                let case = NextCase::random(&mut rng, d, shape);
+                let (mq, mk, ko) = shape;
+                let (n3, n1) = (case.weights(&bf), case.weights(&one));
                 for step in 0..3 {
                     let att = rng.vec(ko, 1.0);
                     let res = rng.vec(d, 1.0);
                     let before = one.stats();
-                    let three = moe_block_next(
-                        &bf,
-                        &l3,
-                        &g3,
-                        (&n3.0, &att),
-                        (&n3.1, &n3.2, &n3.3),
-                        (mq, mk),
-                        &res,
-                        d,
-                    );
-                    let got = moe_block_next(
-                        &one,
-                        &l1,
-                        &g1,
-                        (&n1.0, &att),
-                        (&n1.1, &n1.2, &n1.3),
-                        (mq, mk),
-                        &res,
-                        d,
-                    );
+                    let three = case.run(&bf, &l3, &g3, &n3, &att, &res);
+                    let got = case.run(&one, &l1, &g1, &n1, &att, &res);
                     let after = one.stats();
                     let prev = after.ffn1_prev_folds - before.ffn1_prev_folds;
                     let next = after.ffn1_next_folds - before.ffn1_next_folds;
-                    let names = ["residual", "q", "kv_a", "normalized row", "o product"];
+                    let names = NEXT_OUTPUTS;
                     let errs: Vec<f64> = (0..names.len())
                         .map(|i| max_err(&got[i], &three[i], d))
                         .collect();
@@ -1199,40 +1222,8 @@ mod gpu {
         ] {
             let cfg = sigmoid_router(e, k, 2.4);
             let host = random_moe(&mut rng, e, d, inter, sh.max(1));
-            let make = |b: &CudaBackend| {
-                if sh == 0 {
-                    moe_layer_of(
-                        b,
-                        &cfg,
-                        &host.experts,
-                        &host.gate,
-                        host.bias.clone(),
-                        None,
-                        d,
-                        inter,
-                        1,
-                        bf16_weight,
-                    )
-                } else {
-                    host.bf16_layer(b, &cfg, d, inter, sh)
-                }
-            };
-            let lc = if sh == 0 {
-                moe_layer_of(
-                    &cpu,
-                    &cfg,
-                    &host.experts,
-                    &host.gate,
-                    host.bias.clone(),
-                    None,
-                    d,
-                    inter,
-                    1,
-                    bf16_weight,
-                )
-            } else {
-                host.bf16_layer(&cpu, &cfg, d, inter, sh)
-            };
+            let make = |b: &CudaBackend| host.bf16_layer(b, &cfg, d, inter, sh);
+            let lc = host.bf16_layer(&cpu, &cfg, d, inter, sh);
             let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
             let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
             let (l3, g3) = (
@@ -1275,48 +1266,13 @@ mod gpu {
             if d == 2048 {
                 // followed by the next layer's norm and q/kv_a product, whose rows the launch
                 // asks into L2 at its end: the same results as without
-                let (mq, mk) = (3072, 576);
-                let gain2: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
-                let (vq, vk, vo) = (
-                    rng.vec(mq * d, 0.05),
-                    rng.vec(mk * d, 0.05),
-                    rng.vec(d * d, 0.05),
-                );
-                let around = |b: &CudaBackend| {
-                    (
-                        b.prepare_weight(&bf16_weight(d, d, &vo)).unwrap(),
-                        b.prepare_weight(&Weight::from_f32(1, d, &gain2)).unwrap(),
-                        b.prepare_weight(&bf16_weight(mq, d, &vq)).unwrap(),
-                        b.prepare_weight(&bf16_weight(mk, d, &vk)).unwrap(),
-                    )
-                };
-                let (n3, n1) = (around(&bf), around(&fk));
+                let case = NextCase::random(&mut rng, d, (3072, 576, d));
+                let (n3, n1) = (case.weights(&bf), case.weights(&fk));
                 let att = rng.vec(d, 1.0);
                 let res = rng.vec(d, 1.0);
-                let three = moe_block_next(
-                    &bf,
-                    &l3,
-                    &g3,
-                    (&n3.0, &att),
-                    (&n3.1, &n3.2, &n3.3),
-                    (mq, mk),
-                    &res,
-                    d,
-                );
-                let got = moe_block_next(
-                    &fk,
-                    &l1,
-                    &g1,
-                    (&n1.0, &att),
-                    (&n1.1, &n1.2, &n1.3),
-                    (mq, mk),
-                    &res,
-                    d,
-                );
-                for (i, what) in ["residual", "q", "kv_a", "normalized row", "o product"]
-                    .iter()
-                    .enumerate()
-                {
+                let three = case.run(&bf, &l3, &g3, &n3, &att, &res);
+                let got = case.run(&fk, &l1, &g1, &n1, &att, &res);
+                for (i, what) in NEXT_OUTPUTS.iter().enumerate() {
                     let err = max_err(&got[i], &three[i], d);
                     eprintln!("next product after moe_fk1: {what} vs the three launches {err:.2e}");
                     assert!(err < 3e-2, "the {what} differs ({err:e})");

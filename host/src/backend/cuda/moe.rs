@@ -676,17 +676,17 @@ fn forward_decode(
     let grouped = cfg.n_group > 1 && cfg.topk_group < cfg.n_group;
     if n == 1 && !grouped {
         let ffn1 = ffn1_fits(inner, st, d, inter, e, k, n_shared);
-        if let (Some(_), Some(f), Some(sp)) = (&ffn1, fk1_fits(inner, st, d), &st.split) {
-            // the blocks' partial sums of the output
-            let part = inner.scratch(inner.module.sms * d, 4)?;
-            let mut args = vec![
+        // moe_ffn1's and moe_fk1's first parameters: they differ in the buffer between the
+        // launch's phases (index 6), the expert address table and the shared down matrix
+        let first = |buf: u64, ptrs: u64, shared_down: u64, f: &Ffn1| {
+            vec![
                 out.ptr(),
                 0,
                 x.ptr(),
                 src,
                 gain,
                 eps,
-                part.ptr(),
+                buf,
                 logits.ptr(),
                 st.counter.ptr + 4,
                 st.totals.ptr,
@@ -695,10 +695,10 @@ fn forward_decode(
                 gate.wtype as u64,
                 gate.row_bytes as u64,
                 st.bias.as_ref().map_or(0, |b| b.ptr),
-                sp.ptrs.ptr,
+                ptrs,
                 shared[0],
                 shared[1],
-                sp.shared_downt,
+                shared_down,
                 d as u64,
                 e as u64,
                 k as u64,
@@ -709,18 +709,24 @@ fn forward_decode(
                 cfg.scaling.to_bits() as u64,
                 f.pages as u64,
                 f.page as u64,
-            ];
+            ]
+        };
+        let launch = |f: &Ffn1, args: Vec<u64>| Op::Launch {
+            kernel: f.kernel,
+            grid: [inner.module.sms as u32, 1, 1],
+            block: MOE_FFN1_THREADS,
+            smem: f.smem,
+            args,
+        };
+        if let (Some(_), Some(f), Some(sp)) = (&ffn1, fk1_fits(inner, st, d), &st.split) {
+            // the blocks' partial sums of the output
+            let part = inner.scratch(inner.module.sms * d, 4)?;
+            let mut args = first(part.ptr(), sp.ptrs.ptr, sp.shared_downt, &f);
             // the next launch's weights: none until `link_fk1_next` finds them
             debug_assert_eq!(args.len(), FK1_L2);
             args.resize(FK1_ARGS, 0);
             let mut q = inner.queue();
-            q.push(Op::Launch {
-                kernel: f.kernel,
-                grid: [inner.module.sms as u32, 1, 1],
-                block: MOE_FFN1_THREADS,
-                smem: f.smem,
-                args,
-            });
+            q.push(launch(&f, args));
             q.stats.fk1_launches += 1;
             drop(q);
             layer.count_device_step();
@@ -728,48 +734,12 @@ fn forward_decode(
         }
         if let Some(f) = ffn1 {
             let act = inner.scratch((k + n_shared) * inter, 2)?;
-            let mut args = vec![
-                out.ptr(),
-                0,
-                x.ptr(),
-                src,
-                gain,
-                eps,
-                act.ptr(),
-                logits.ptr(),
-                st.counter.ptr + 4,
-                st.totals.ptr,
-                st.last.ptr,
-                gate.ptr(),
-                gate.wtype as u64,
-                gate.row_bytes as u64,
-                st.bias.as_ref().map_or(0, |b| b.ptr),
-                st.ptrs.ptr,
-                shared[0],
-                shared[1],
-                shared[2],
-                d as u64,
-                e as u64,
-                k as u64,
-                n_shared as u64,
-                inter as u64,
-                score,
-                cfg.norm_topk_prob as u64,
-                cfg.scaling.to_bits() as u64,
-                f.pages as u64,
-                f.page as u64,
-            ];
+            let mut args = first(act.ptr(), st.ptrs.ptr, shared[2], &f);
             // the products after and before the layer: none until a pass folds one in
             // (fold_next_norm_gemv, fold_prev_acc_gemv)
             debug_assert_eq!(args.len(), FFN1_NEXT);
             args.resize(FFN1_ARGS, 0);
-            inner.push(Op::Launch {
-                kernel: f.kernel,
-                grid: [inner.module.sms as u32, 1, 1],
-                block: MOE_FFN1_THREADS,
-                smem: f.smem,
-                args,
-            });
+            inner.push(launch(&f, args));
             layer.count_device_step();
             return Ok(());
         }
