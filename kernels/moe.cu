@@ -1975,18 +1975,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     }
     __syncthreads();
     int issued = 0;
-    // part `part` of `parts` of this block's share of the next launch's weights asked into L2:
-    // its 4 KB pieces first, first + step, ...
-    auto l2_pieces = [&](int part, int parts, int first, int step) {
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const long m = l2_bytes[k] >> 12, p0 = m * b / G, n = m * (b + 1) / G - p0;
-            const long q0 = p0 + n * part / parts, q1 = p0 + n * (part + 1) / parts;
-            for (long p = q0 + first; p < q1; p += step) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
-        }
-    };
-    bool pf = false;
-    (void)pf;
     // the warp's i-th unit into its page (lane 0; routed units once the routing is done)
     auto issue = [&](int i) {
         const int pg = warp * ppw + i % ppw;
@@ -2044,13 +2032,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
         __syncwarp();
         if (lane == 0 && issued < lim) issue(issued++);
-#ifdef MOEK_L2EARLY
-        // the warp's share of the next launch's weights into L2 once its last unit is asked for
-        if (lane == 0 && issued == my_units && !pf) {
-            pf = true;
-            l2_pieces(warp, MOEF_WARPS, 0, 1);
-        }
-#endif
         // the lane's sums first, then two butterflies
         float gs = 0.0f, us = 0.0f;
 #pragma unroll
@@ -2071,15 +2052,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, false,
-               hs, red, cid, cw, sel, selw, [&] {
-                   moef_lane_row(hr, hs, nch);
-#ifdef MOEK_EARLY2
-                   // warps but the picking one take their shared units already asked for
-                   // while the logits come in, so their pages take routed units at once
-                   if (warp != 0)
-                       for (; done < nsh && done < ppw; done++) consume(done);
-#endif
-               });
+               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
     __syncthreads();
     di_trace_phase(1);
     lim = my_units;
@@ -2090,9 +2063,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     // The memory idles from here to the launch's end: the block asks its share of the next
     // launch's weights (`l2`: two address, bytes ranges; 0 bytes: none) into L2, 4 KB a lane
     // of warp 0.
-#ifndef MOEK_L2EARLY
-    if (warp == 0) l2_pieces(0, 1, lane, 32);
-#endif
+    if (warp == 0)
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const long n = l2_bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
+            for (long p = p0 + lane; p < p1; p += 32) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
+        }
     // the warps' sums in warp order into part[b] (the ring is free: every copy was waited for)
     __syncthreads();
     float* ws = reinterpret_cast<float*>(moef_smem);

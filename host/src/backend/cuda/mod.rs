@@ -196,7 +196,8 @@ pub struct CudaOptions {
     pub moe_splitk: bool,
     /// A `moe_fk1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
     /// product) asks that GEMV's weights into L2 once its blocks' units are done, while the
-    /// memory would idle (`moe::link_fk1_next`); `DEEPINFER_CUDA_FK1_L2=0` turns it off.
+    /// memory would idle (`moe::link_fk1_next`); off by default (measured 0.5% slower on an
+    /// H100, doc/benchmarks.md); `DEEPINFER_CUDA_FK1_L2=1` turns it on.
     pub fk1_l2: bool,
     /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24
     /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
@@ -386,7 +387,7 @@ impl Default for CudaOptions {
             moe_wg: true,
             moe_ffn1: true,
             moe_splitk: false,
-            fk1_l2: true,
+            fk1_l2: false,
             ffn1_next: false,
             ffn1_prev: false,
             ffn1_pages: 0,
