@@ -185,9 +185,9 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
 }
 
 /// Transposed copies of the down matrices of a bf16 layer for `moe_fk1` (queued, so they run
-/// before any launch that reads them): `None` where a down matrix's rows are not packed or
-/// the shared experts are not slots of the decode kernels. Costs the layer's down bytes again
-/// in device memory.
+/// before any launch that reads them): `None` where a down matrix's rows are not packed, the
+/// shared experts are not slots of the decode kernels, or the device has no room for the copy
+/// (a warning says so). Costs the layer's down bytes again in device memory.
 fn build_split(
     inner: &Arc<Inner>,
     layer: &MoeLayer<CudaWeight>,
@@ -206,7 +206,18 @@ fn build_split(
         return Ok(None);
     }
     let block = inter * d * 2;
-    let mem = DevMem::alloc(&inner.ctx, (downs.len() + n_shared) * block)?;
+    let bytes = (downs.len() + n_shared) * block;
+    let mem = match DevMem::alloc(&inner.ctx, bytes) {
+        Ok(m) => m,
+        Err(e) => {
+            // the layer keeps moe_ffn1, which needs no copy
+            tracing::warn!(
+                "DEEPINFER_CUDA_MOE_SPLITK: no room for a MoE layer's transposed down matrices \
+                 ({bytes} bytes: {e}); the layer runs moe_ffn1"
+            );
+            return Ok(None);
+        }
+    };
     let mut ptrs = gate_up.to_vec();
     let transpose = |w: &CudaWeight, at: u64| {
         inner.push(Op::Launch {
