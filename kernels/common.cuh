@@ -359,6 +359,17 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
+// A ring page at `dst` refilled with `n` (1 to 3) pieces of `bytes` from s0, s1, s2, one after
+// another, completing on the page's barrier at `bar`: the reader's loads of the page's last
+// contents ordered before the copies' writes, the barrier told the bytes to expect.
+__device__ __forceinline__ void page_fill(u32 dst, u32 bar, u32 bytes, int n, const void* s0,
+                                          const void* s1 = nullptr, const void* s2 = nullptr) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    mbar_arrive_tx(bar, n * bytes);
+    bulk_g2s(dst, s0, bytes, bar);
+    if (n > 1) bulk_g2s(dst + bytes, s1, bytes, bar);
+    if (n > 2) bulk_g2s(dst + 2 * bytes, s2, bytes, bar);
+}
 #endif
 
 // Thread-block clusters (sm_90+): a barrier of every thread of the cluster (release / acquire,

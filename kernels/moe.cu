@@ -1664,11 +1664,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // page pg filled with `bytes` from p0 and, when `two`, as many from p1 after them (the
     // warp's reads of the page's last unit before the copy's writes)
     auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes) {
-        const u32 dst = ring + (u32)(pg * page);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive_tx(full0 + 8 * pg, (two ? 2 : 1) * bytes);
-        bulk_g2s(dst, p0, bytes, full0 + 8 * pg);
-        if (two) bulk_g2s(dst + bytes, p1, bytes, full0 + 8 * pg);
+        page_fill(ring + (u32)(pg * page), full0 + 8 * pg, bytes, two ? 2 : 1, p0, p1);
     };
     // this warp's ia-th unit into its page (lane 0; units reading the picked experts only once
     // the routing is done): ia counts from the product before the layer's units, i after them
@@ -1990,12 +1986,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
             u = reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d;
             dn = reinterpret_cast<const bf16_t*>(sel[s][2]) + r * d;
         }
-        const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive_tx(bar, 3 * row);
-        bulk_g2s(dst, g, row, bar);
-        bulk_g2s(dst + row, u, row, bar);
-        bulk_g2s(dst + 2 * row, dn, row, bar);
+        page_fill(ring + (u32)(pg * page), full0 + 8 * pg, row, 3, g, u, dn);
     };
     // before the wait: the warp's first shared units
     if (lane == 0)
@@ -2013,8 +2004,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     for (int j = 0; j < MOEF_MAXJ; j++)
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[j][k] = 0.0f;
-    int done = 0, lim = (int)nsh;  // units taken; units that may be asked for (routed: once picked)
-    // the warp's unit i: act_i from its gate and up rows, then w act_i times its down row
+    // the warp's unit i (after the routing): act_i from its gate and up rows, then w act_i
+    // times its down row
     auto consume = [&](int i) {
         const int pg = warp * ppw + i % ppw;
         mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
@@ -2031,7 +2022,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
             dv[j] = c < nch ? *reinterpret_cast<const uint4*>(wd + c * 8) : make_uint4(0, 0, 0, 0);
         }
         __syncwarp();
-        if (lane == 0 && issued < lim) issue(issued++);
+        if (lane == 0 && issued < my_units) issue(issued++);
         // the lane's sums first, then two butterflies
         float gs = 0.0f, us = 0.0f;
 #pragma unroll
@@ -2055,10 +2046,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
                hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
     __syncthreads();
     di_trace_phase(1);
-    lim = my_units;
+    // the pages the shared units left free (or never took)
     if (lane == 0)
-        while (issued < done + ppw && issued < my_units) issue(issued++);
-    for (; done < my_units; done++) consume(done);
+        while (issued < ppw && issued < my_units) issue(issued++);
+    for (int i = 0; i < my_units; i++) consume(i);
     di_trace_phase(2);
     // The memory idles from here to the launch's end: the block asks its share of the next
     // launch's weights (`l2`: two address, bytes ranges; 0 bytes: none) into L2, 4 KB a lane

@@ -196,7 +196,7 @@ pub struct CudaOptions {
     pub moe_splitk: bool,
     /// A `moe_fk1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
     /// product) asks that GEMV's weights into L2 once its blocks' units are done, while the
-    /// memory would idle (`moe::link_fk1_next`); off by default (measured 0.5% slower on an
+    /// memory would idle (`moe::link_next_weights`); off by default (measured 0.5% slower on an
     /// H100, doc/benchmarks.md); `DEEPINFER_CUDA_FK1_L2=1` turns it on.
     pub fk1_l2: bool,
     /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24

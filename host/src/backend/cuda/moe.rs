@@ -618,7 +618,7 @@ const FK1_MAX_BLOCKS: usize = 256;
 /// first ones, then [`FK1_L2`]'s.
 const FK1_ARGS: usize = 33;
 /// Where `moe_fk1`'s two (address, bytes) ranges of the next launch's weights start, which
-/// its blocks ask into L2 once their units are done (`link_fk1_next`; zero: none).
+/// its blocks ask into L2 once their units are done (`link_next_weights`; zero: none).
 const FK1_L2: usize = 29;
 
 /// `moe_fk1`'s launch shape where a one-token step that `moe_ffn1` takes may take it instead:
@@ -733,7 +733,7 @@ fn forward_decode(
             // the blocks' partial sums of the output
             let part = inner.scratch(inner.module.sms * d, 4)?;
             let mut args = first(part.ptr(), sp.ptrs.ptr, sp.shared_downt, &f);
-            // the next launch's weights: none until `link_fk1_next` finds them
+            // the next launch's weights: none until `link_next_weights` finds them
             debug_assert_eq!(args.len(), FK1_L2);
             args.resize(FK1_ARGS, 0);
             let mut q = inner.queue();
@@ -914,8 +914,8 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
     };
     // The kernels take out, res, then a buffer `res` must not be: moe_down_dec's arguments
     // are out, res, h, ..., n (10), d (11), inter, early, then the prefetch ranges; moe_ffn1's
-    // and moe_fk1's out, res, the normalized row, ..., d (19) (it reads its input before any block writes
-    // `res`, grid-wide counters in between, so `res` may be that input).
+    // and moe_fk1's out, res, the normalized row, ..., d (19) (each reads its input before any
+    // block writes `res`, grid-wide counters in between, so `res` may be that input).
     let values = if is_down_dec(&inner.module, *kernel, args) {
         args[10] * args[11]
     } else if (inner.module.deepseek[1].moe_ffn1 == Some(*kernel) && args.len() == FFN1_ARGS)
@@ -1091,56 +1091,36 @@ fn is_down_dec(m: &Module, kernel: KernelId, args: &[u64]) -> bool {
             .any(|&k| k == kernel)
 }
 
-/// `Ds2::next_l2`: a decode down projection directly followed by a one-token GEMV of staged
-/// rows (`gemvp*`: the next layer's q/kv_a) asks that GEMV's first two weight segments into
-/// L2 as its blocks finish, since the GEMV's blocks cannot be resident (and start their
-/// copies) until the down projection's leave. Run on a pass before it executes; the same pass
-/// gives the same arguments, so captured graphs still match.
-pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module) {
-    let Some(gemvp) = m.bf16.gemvp else {
-        return;
-    };
+/// Gives a launch directly followed by a one-token GEMV of staged rows (`gemvp*`: the next
+/// layer's q/kv_a) that GEMV's first two weight segments, which the launch asks into L2 at its
+/// end, since the GEMV's blocks cannot be resident (and start their copies) until the launch's
+/// leave: with `down_dec` (`Ds2::next_l2`) a decode down projection followed by an 8-row staged
+/// GEMV, as its blocks finish; with `fk1` (`CudaOptions::fk1_l2`) a `moe_fk1` launch followed by
+/// any staged GEMV, once its blocks' units are done. Run on a pass before it executes; the same
+/// pass gives the same arguments, so captured graphs still match.
+pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module, down_dec: bool, fk1: bool) {
+    let among = |set: Option<[KernelId; 3]>, k: KernelId| set.is_some_and(|s| s.contains(&k));
     for i in 1..ops.len() {
         let (a, b) = ops.split_at_mut(i);
         let (Some(Op::Launch { kernel, args, .. }), Some(Op::Gemv(g))) = (a.last_mut(), b.first())
         else {
             continue;
         };
-        if !is_down_dec(m, *kernel, args) || !gemvp.contains(&g.kernel) {
-            continue;
-        }
-        for (j, seg) in g.p.segs.iter().take(2).enumerate() {
-            args[14 + 2 * j] = seg.0;
-            args[15 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
-        }
-    }
-}
-
-/// Gives each `moe_fk1` launch of a pass that a one-token staged GEMV follows (the next
-/// layer's q/kv_a product, its norm folded in) that GEMV's first two weight segments, which
-/// its blocks ask into L2 while the memory idles at the launch's end (the blocks' sums
-/// meeting), so the GEMV, whose blocks find no room beside `moe_fk1`'s, reads them from L2.
-pub(crate) fn link_fk1_next(ops: &mut [Op], m: &Module) {
-    let Some(fk1) = m.deepseek[1].moe_fk1 else {
-        return;
-    };
-    let staged = |k: KernelId| {
-        [m.bf16.gemvp, m.bf16.gemvp_wide]
-            .iter()
-            .any(|g| g.is_some_and(|g| g.contains(&k)))
-    };
-    for i in 1..ops.len() {
-        let (a, b) = ops.split_at_mut(i);
-        let (Some(Op::Launch { kernel, args, .. }), Some(Op::Gemv(g))) = (a.last_mut(), b.first())
-        else {
+        // where the launch's two (address, bytes) ranges start
+        let at = if down_dec && is_down_dec(m, *kernel, args) && among(m.bf16.gemvp, g.kernel) {
+            14
+        } else if fk1
+            && m.deepseek[1].moe_fk1 == Some(*kernel)
+            && args.len() == FK1_ARGS
+            && (among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel))
+        {
+            FK1_L2
+        } else {
             continue;
         };
-        if *kernel != fk1 || args.len() != FK1_ARGS || !staged(g.kernel) {
-            continue;
-        }
         for (j, seg) in g.p.segs.iter().take(2).enumerate() {
-            args[FK1_L2 + 2 * j] = seg.0;
-            args[FK1_L2 + 1 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
+            args[at + 2 * j] = seg.0;
+            args[at + 1 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
         }
     }
 }

@@ -231,7 +231,7 @@ pub struct Queue {
     pub ffn1_next: bool,
     /// `CudaOptions::ffn1_prev`: passes go through `moe::fold_prev_acc_gemv` before they run.
     pub ffn1_prev: bool,
-    /// `CudaOptions::fk1_l2`: passes go through `moe::link_fk1_next` before they run.
+    /// `CudaOptions::fk1_l2`: passes go through `moe::link_next_weights` before they run.
     pub fk1_l2: bool,
 }
 
@@ -330,11 +330,8 @@ impl Queue {
         if self.ffn1_next {
             self.stats.ffn1_next_folds += super::moe::fold_next_norm_gemv(&mut ops, m);
         }
-        if self.next_l2 {
-            super::moe::link_next_weights(&mut ops, m);
-        }
-        if self.fk1_l2 {
-            super::moe::link_fk1_next(&mut ops, m);
+        if self.next_l2 || self.fk1_l2 {
+            super::moe::link_next_weights(&mut ops, m, self.next_l2, self.fk1_l2);
         }
         self.stats.flushes += 1;
         self.stats.ops += ops.len() as u64;
