@@ -71,10 +71,12 @@ __device__ __forceinline__ void act_load8_cg(const bf16_t* p, float* out) {
     bf16x8_to_f32(__ldcg(reinterpret_cast<const uint4*>(p)), out);
 }
 
-// Experiment DI_X_EVICT: weight streams marked first to go from L2 (a cache policy), so the
-// weights of a step passing through do not push out the kernels' code, the activations and
-// the small tables.
-#if defined(DI_X_EVICT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Weight streams are marked first to go from L2 (a cache policy), so the weights of a step
+// passing through (≈ 166 MB a Moonlight layer, more than three times the L2) do not push out the
+// kernels' code, the activations, the caches' rows and the small tables that the next
+// launches read (measured: doc/benchmarks.md, session 25). DI_NO_EVICT (a
+// DEEPINFER_CUDA_DEFINE entry) streams them as any other load, for comparison.
+#if !defined(DI_NO_EVICT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define DI_EVICT_FIRST 1
 __device__ __forceinline__ u64 l2_evict_first() {
     u64 p;
@@ -354,10 +356,19 @@ __device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 bytes) {
 }
 // `bytes` (a multiple of 16) from global `src` (16-byte aligned) to shared `dst`, completing on
 // the barrier at `bar`.
+// Weights only (marked first to leave L2, as ld_stream16 marks them).
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+#ifdef DI_EVICT_FIRST
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            dst),
+        "l"(src), "r"(bytes), "r"(bar), "l"(l2_evict_first())
+        : "memory");
+#else
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
+#endif
 }
 // A ring page at `dst` refilled with `n` (1 to 3) pieces of `bytes` from s0, s1, s2, one after
 // another, completing on the page's barrier at `bar`: the reader's loads of the page's last
@@ -411,7 +422,9 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 // both also stamp the launch's record in `di_trace` from thread 0 of every 16th block: the
 // first and last trigger and the first and last return from the wait, in global-timer
 // nanoseconds. A kernel's wait returns once the kernels before it are done, so the gaps
-// between successive launches' first returns are each kernel's share of the step.
+// between successive launches' first returns are each kernel's share of the step. Only a
+// block's first stamp waits on memory (it claims the record), so a traced step runs close to
+// an untraced one.
 #ifdef DEEPINFER_TRACE
 #define DI_TRACE_SLOTS 4096
 // key (grid id + 1), blocks << 32 | threads, ~first trigger, last trigger, ~first wait, last
@@ -429,18 +442,34 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     const u64 key = g + 1;
-    for (u32 i = 0; i < 64; i++) {
-        u64* r = di_trace + ((key + i) % DI_TRACE_SLOTS) * DI_TRACE_WORDS;
-        const u64 old = atomicCAS(r, 0ull, key);
-        if (old != 0ull && old != key) continue;
-        if (old == 0ull) atomicExch(r + 1, ((u64)(gridDim.x * gridDim.y * gridDim.z) << 32) | blockDim.x);
-        if (field < 2) {
-            atomicMax(r + 2 + 2 * field, ~t);
-            atomicMax(r + 3 + 2 * field, t);
-        } else {
-            atomicMax(r + 4 + field, t);
+    // The block's record, found once: the claim (a compare-and-swap whose result the thread
+    // waits for, a round trip to L2 that a loaded memory makes long) is paid by the block's
+    // first stamp only, usually the trigger before the wait; later stamps are reductions the
+    // thread does not wait for, so a stamp barely moves the block it times. Shared memory
+    // left by another launch holds another key.
+    __shared__ u64 di_trace_key;
+    __shared__ u32 di_trace_slot;
+    u64* r = nullptr;
+    if (di_trace_key == key) {
+        r = di_trace + (u64)di_trace_slot * DI_TRACE_WORDS;
+    } else {
+        for (u32 i = 0; i < 64 && r == nullptr; i++) {
+            const u32 slot = (u32)((key + i) % DI_TRACE_SLOTS);
+            u64* c = di_trace + (u64)slot * DI_TRACE_WORDS;
+            const u64 old = atomicCAS(c, 0ull, key);
+            if (old != 0ull && old != key) continue;
+            if (old == 0ull) atomicExch(c + 1, ((u64)(gridDim.x * gridDim.y * gridDim.z) << 32) | blockDim.x);
+            di_trace_key = key;
+            di_trace_slot = slot;
+            r = c;
         }
-        return;
+        if (r == nullptr) return;
+    }
+    if (field < 2) {
+        atomicMax(r + 2 + 2 * field, ~t);
+        atomicMax(r + 3 + 2 * field, t);
+    } else {
+        atomicMax(r + 4 + field, t);
     }
 }
 #else
