@@ -201,23 +201,38 @@ __device__ __forceinline__ float block_rstd(float ss, float* red, int k, float e
     return 1.0f / sqrtf(s / (float)k + eps);
 }
 
-// A lane's share of the dot product of a bf16 row staged in shared memory (`nch` chunks of 8)
-// with the floats `stage_row` staged: chunks lane, lane + 32, ..., each chunk's 8 products in
-// order (the staged GEMVs' order; warp_sum adds the lanes').
-__device__ __forceinline__ float staged_dot(const uint4* wrow, const float* xs, int nch, int lane) {
-    float acc = 0.0f;
+// A lane's shares of the dot products of R bf16 rows staged in shared memory (`nch` chunks of
+// 8; row j at w + j * stride) with the floats `stage_row` staged: chunks lane, lane + 32, ...,
+// each chunk's 8 products in order (the staged GEMVs' order; warp_sum adds the lanes'). The
+// input's chunk is read from shared memory once for all R rows: read once a row, its two
+// 16-byte loads (a two-way bank conflict: chunks are 32 bytes apart) made the products of a
+// 4-row warp ≈ 3.3 µs (H100, session 25), more than the rows' copy.
+template <int R>
+__device__ __forceinline__ void staged_dots(const uint4* w, int stride, const float* xs, int nch, int lane,
+                                            float (&acc)[R]) {
+#pragma unroll
+    for (int j = 0; j < R; j++) acc[j] = 0.0f;
 #pragma unroll 4
     for (int c = lane; c < nch; c += 32) {
-        float wf[8];
-        bf16x8_to_f32(wrow[c], wf);
         const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
         const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
-        acc = fmaf(wf[0], xa.x, acc); acc = fmaf(wf[1], xa.y, acc);
-        acc = fmaf(wf[2], xa.z, acc); acc = fmaf(wf[3], xa.w, acc);
-        acc = fmaf(wf[4], xb.x, acc); acc = fmaf(wf[5], xb.y, acc);
-        acc = fmaf(wf[6], xb.z, acc); acc = fmaf(wf[7], xb.w, acc);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            float wf[8];
+            bf16x8_to_f32(w[(long)j * stride + c], wf);
+            float a = acc[j];
+            a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+            a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+            a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+            a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+            acc[j] = a;
+        }
     }
-    return acc;
+}
+__device__ __forceinline__ float staged_dot(const uint4* wrow, const float* xs, int nch, int lane) {
+    float acc[1];
+    staged_dots<1>(wrow, 0, xs, nch, lane, acc);
+    return acc[0];
 }
 
 // Sum over a block of up to 1024 threads; every thread gets the result. `red` holds 32 floats.

@@ -424,9 +424,17 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
                 act_store(h, e, act_load(x, e) * rstd * g[e]);
             }
     }
+    float part[RPW];
+#ifdef DI_X_PER_ROW
+    // comparison only: each row's products with the input read again (the earlier loop)
+#pragma unroll
+    for (int j = 0; j < RPW; j++) part[j] = staged_dot(&wbuf[(warp * RPW + j) * nch], xs, nch, lane);
+#else
+    staged_dots<RPW>(&wbuf[warp * RPW * nch], nch, xs, nch, lane, part);
+#endif
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
-        float acc = warp_sum(staged_dot(&wbuf[(warp * RPW + j) * nch], xs, nch, lane));
+        const float acc = warp_sum(part[j]);
         if (ok[j] && lane == 0) {
             const float s = acc * rstd;
             act_store(yr[j], rr[j], s);
