@@ -434,25 +434,28 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 // Without the attribute, or below sm_90, both are no-ops.
 //
 // With DEEPINFER_TRACE defined (`DEEPINFER_CUDA_TRACE`, host side in `backend/cuda/trace.rs`),
-// both also stamp the launch's record in `di_trace` from thread 0 of every 16th block: the
+// both also stamp the launch's record in `di_trace` from thread 0 of one block in 16: the
 // first and last trigger and the first and last return from the wait, in global-timer
-// nanoseconds. A kernel's wait returns once the kernels before it are done, so the gaps
+// nanoseconds (and `di_trace_phase`, the first and last block to reach a phase). A kernel's wait returns once the kernels before it are done, so the gaps
 // between successive launches' first returns are each kernel's share of the step. Only a
 // block's first stamp waits on memory (it claims the record), so a traced step runs close to
 // an untraced one.
 #ifdef DEEPINFER_TRACE
 #define DI_TRACE_SLOTS 4096
 // key (grid id + 1), blocks << 32 | threads, ~first trigger, last trigger, ~first wait, last
-// wait, then DI_TRACE_PHASES phase stamps (latest)
+// wait, then DI_TRACE_PHASES phase stamps (the latest block's), then as many again (~ the
+// earliest block's)
 #define DI_TRACE_PHASES 8
-#define DI_TRACE_WORDS (6 + DI_TRACE_PHASES)
+#define DI_TRACE_WORDS (6 + 2 * DI_TRACE_PHASES)
 __device__ u64 di_trace[DI_TRACE_SLOTS * DI_TRACE_WORDS];
 // field 0: trigger, 1: wait, 2 + k: phase k
 __device__ __forceinline__ void di_trace_stamp(int field) {
     if (threadIdx.x | threadIdx.y | threadIdx.z) return;
-    // y fastest, so a grid of a few x (the MoE slots) by many y is sampled in every x
+    // y fastest, so a grid of a few x (the MoE slots) by many y is sampled in every x; the
+    // block number's low 4 bits equal to its next 4, so a cluster grid (ranks by heads) is
+    // sampled across heads and ranks, not one head's whole cluster
     const u64 b = blockIdx.y + (u64)gridDim.y * (blockIdx.x + (u64)gridDim.x * blockIdx.z);
-    if (b % 16) return;
+    if ((b ^ (b >> 4)) & 15) return;
     u64 g, t;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -485,6 +488,7 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
         atomicMax(r + 3 + 2 * field, t);
     } else {
         atomicMax(r + 4 + field, t);
+        atomicMax(r + 4 + DI_TRACE_PHASES + field, ~t);
     }
 }
 #else

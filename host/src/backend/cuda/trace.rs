@@ -3,13 +3,14 @@
 //!
 //! The kernels are compiled with `DEEPINFER_TRACE` defined, which makes `pdl_wait` and
 //! `pdl_launch_dependents` (`kernels/common.cuh`) stamp each launch's record in the module's
-//! `di_trace` table from every 16th block. The queue clears the table before the
+//! `di_trace` table from one block in 16. The queue clears the table before the
 //! `DEEPINFER_CUDA_TRACE_AT`-th pass of at least [`MIN_OPS`] operations (default 40: a decode
 //! step well after the graph is captured), waits for the pass, and writes one row a kernel to
 //! FILE: its name, when its first block started, when its wait first returned (when the
 //! kernels before it had finished) and its share of the pass (the gap to the next kernel's first
-//! return), then the shares summed by kernel name. ncu times kernels one at a time; this shows
-//! what each costs inside the pass, where launches overlap.
+//! return) and when its sampled blocks first and last reached each phase (`di_trace_phase`),
+//! then the shares summed by kernel name. ncu times kernels one at a time; this shows what each
+//! costs inside the pass, where launches overlap.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use crate::error::{Error, Result};
 
 /// Records in the device table (`DI_TRACE_SLOTS`) and 64-bit words a record (`DI_TRACE_WORDS`).
 pub const SLOTS: usize = 4096;
-pub const WORDS: usize = 6 + PHASES;
+pub const WORDS: usize = 6 + 2 * PHASES;
 /// Phase stamps a record (`DI_TRACE_PHASES`: `di_trace_phase` in long kernels).
 pub const PHASES: usize = 8;
 /// Passes shorter than this are not counted (uploads, sampling).
@@ -129,6 +130,8 @@ struct Rec {
     wait_last: u64,
     /// The latest time each phase was reached (0: never).
     phases: [u64; PHASES],
+    /// The earliest time each phase was reached (0: never).
+    phases_first: [u64; PHASES],
 }
 
 /// The report of a table (`words`) for the pass's kernels in launch order (`names`).
@@ -144,6 +147,10 @@ fn report(words: &[u64], names: &[&str]) -> String {
             wait: (r[4] != 0).then_some(!r[4]),
             wait_last: r[5],
             phases: std::array::from_fn(|k| r[6 + k]),
+            phases_first: std::array::from_fn(|k| match r[6 + PHASES + k] {
+                0 => 0,
+                w => !w,
+            }),
         })
         .collect();
     recs.sort_by_key(|r| r.key);
@@ -176,7 +183,7 @@ fn report(words: &[u64], names: &[&str]) -> String {
         .unwrap_or(t0);
     let _ = writeln!(
         out,
-        "{:>4} {:<40} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8}  phases (us after the first wait)",
+        "{:>4} {:<40} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8}  phases (us after the first wait: first/last block)",
         "#", "kernel", "blocks", "thr", "start_us", "wait_us", "wlast_us", "share_us"
     );
     let mut by_name: Vec<(String, f64, usize)> = Vec::new();
@@ -190,8 +197,11 @@ fn report(words: &[u64], names: &[&str]) -> String {
             .enumerate()
             .filter(|(_, &p)| p != 0)
             .map(|(k, &p)| {
-                let d = p as i64 - mark(r) as i64;
-                format!(" p{k} {:+.2}", d as f64 / 1e3)
+                let us = |t: u64| (t as i64 - mark(r) as i64) as f64 / 1e3;
+                match r.phases_first[k] {
+                    f if f != 0 && f < p => format!(" p{k} {:+.2}/{:+.2}", us(f), us(p)),
+                    _ => format!(" p{k} {:+.2}", us(p)),
+                }
             })
             .collect();
         let _ = writeln!(
@@ -239,8 +249,9 @@ mod tests {
         r[3] = start;
         r[4] = wait.map_or(0, |w| !w);
         r[5] = wait.unwrap_or(0);
-        // phase 1 half a microsecond after the first wait
+        // phase 1 half a microsecond after the first wait (one block)
         r[7] = wait.map_or(0, |w| w + 500);
+        r[7 + PHASES] = wait.map_or(0, |w| !(w + 500));
     }
 
     #[test]
@@ -273,6 +284,18 @@ mod tests {
         };
         assert_eq!(sum("b").as_deref(), Some("b 1 x 5.00 us = 5.0 us"), "{r}");
         assert_eq!(sum("a").as_deref(), Some("a 2 x 1.75 us = 3.5 us"), "{r}");
+    }
+
+    #[test]
+    fn a_phase_reached_at_two_times_shows_the_first_and_the_last_block() {
+        let mut w = vec![0u64; 2 * WORDS];
+        rec(&mut w, 0, 5, 1_000, Some(2_000));
+        // phase 3: the first block at +0.25 us, the last at +1.75 us
+        w[6 + 3] = 3_750;
+        w[6 + PHASES + 3] = !2_250;
+        let r = report(&w, &["a"]);
+        let line = r.lines().nth(2).unwrap();
+        assert!(line.contains(" p1 +0.50 p3 +0.25/+1.75"), "{r}");
     }
 
     #[test]
