@@ -207,6 +207,17 @@ __device__ __forceinline__ float block_rstd(float ss, float* red, int k, float e
 // input's chunk is read from shared memory once for all R rows: read once a row, its two
 // 16-byte loads (a two-way bank conflict: chunks are 32 bytes apart) made the products of a
 // 4-row warp ≈ 3.3 µs (H100, session 25), more than the rows' copy.
+// a + the 8 products of a chunk of bf16 weights `w` with the floats (xa, xb), added in order
+// (the staged GEMVs' order of sums).
+__device__ __forceinline__ float dot8_add(float a, uint4 w, const float4& xa, const float4& xb) {
+    float wf[8];
+    bf16x8_to_f32(w, wf);
+    a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
+    a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
+    a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
+    a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
+    return a;
+}
 template <int R>
 __device__ __forceinline__ void staged_dots(const uint4* w, int stride, const float* xs, int nch, int lane,
                                             float (&acc)[R]) {
@@ -217,16 +228,7 @@ __device__ __forceinline__ void staged_dots(const uint4* w, int stride, const fl
         const float4 xa = *reinterpret_cast<const float4*>(&xs[c * 8]);
         const float4 xb = *reinterpret_cast<const float4*>(&xs[c * 8 + 4]);
 #pragma unroll
-        for (int j = 0; j < R; j++) {
-            float wf[8];
-            bf16x8_to_f32(w[(long)j * stride + c], wf);
-            float a = acc[j];
-            a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
-            a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
-            a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
-            a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
-            acc[j] = a;
-        }
+        for (int j = 0; j < R; j++) acc[j] = dot8_add(acc[j], w[(long)j * stride + c], xa, xb);
     }
 }
 __device__ __forceinline__ float staged_dot(const uint4* wrow, const float* xs, int nch, int lane) {

@@ -1324,16 +1324,7 @@ __device__ void mla1_qkv(const Mla1Layer<T>& L, const u8* wq, const u8* wk, floa
 #pragma unroll
         for (int i = 0; i < MAXRP; i++) {
             const int j = warp * rp + i;
-            if (i < rp && j < nr) {
-                float wf[8];
-                bf16x8_to_f32(__ldg(&wrow[i][c]), wf);
-                float a = acc[i];
-                a = fmaf(wf[0], xa.x, a); a = fmaf(wf[1], xa.y, a);
-                a = fmaf(wf[2], xa.z, a); a = fmaf(wf[3], xa.w, a);
-                a = fmaf(wf[4], xb.x, a); a = fmaf(wf[5], xb.y, a);
-                a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
-                acc[i] = a;
-            }
+            if (i < rp && j < nr) acc[i] = dot8_add(acc[i], __ldg(&wrow[i][c]), xa, xb);
         }
     }
 #pragma unroll
