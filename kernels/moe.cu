@@ -1593,6 +1593,19 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
     }
 }
 
+// Before the programmatic wait a block of moe_ffn1 / moe_fk1 asks for its warps' first ring
+// pages (up to 192 KB) and loads what the routing reads (block b's router row, the norm's
+// gains, the expert addresses, the bias). Experiment MOEF_X_GATE_FIRST: the routing's loads
+// first, so they do not queue behind the ring's copies while the memory is busiest (the
+// routing is the layer's critical path; the pages are not needed before it is done).
+__device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t, const u8* gate, int gate_wt,
+                                                 long gate_row_bytes, const float* gain, const u64* ptrs,
+                                                 const float* bias, int E, bool mine) {
+    const int b = blockIdx.x;
+    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
+    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
+}
+
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
@@ -1715,16 +1728,20 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         return ia < my_no || (ia < my_no + my_ng && warp + MOEF_WARPS * (ia - my_no) < nsh);
     };
     // before the wait: the warp's units of the product before the layer, then its first that
-    // are shared experts' gate/up rows
-    if (lane == 0)
-        while (issued < ppw && early(issued)) issue(issued++);
-    // the routing: a chunk of the row a thread, as moe_route1c
+    // are shared experts' gate/up rows, and the routing's loads (the routing: a chunk of the
+    // row a thread, as moe_route1c)
     const int nch = d >> 3, ich = inter >> 3;
     const bool mine = tid < nch;
     uint4 graw[1][2];
-    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
     MoeTok1 t;
-    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
+#ifdef MOEF_X_GATE_FIRST
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+#endif
+    if (lane == 0)
+        while (issued < ppw && early(issued)) issue(issued++);
+#ifndef MOEF_X_GATE_FIRST
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+#endif
     pdl_wait();
     if (om > 0) {
         // 0. the product before the layer (gemvp's ACC sums in their order): its input staged
@@ -1988,14 +2005,18 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
         page_fill(ring + (u32)(pg * page), full0 + 8 * pg, row, 3, g, u, dn);
     };
-    // before the wait: the warp's first shared units
-    if (lane == 0)
-        while (issued < ppw && issued < nsh) issue(issued++);
+    // before the wait: the warp's first shared units, and the routing's loads
     const bool mine = tid < nch;
     uint4 graw[1][2];
-    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
     MoeTok1 t;
-    moe_tok1_pre(t, gain, ptrs, bias, E, mine);
+#ifdef MOEF_X_GATE_FIRST
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+#endif
+    if (lane == 0)
+        while (issued < ppw && issued < nsh) issue(issued++);
+#ifndef MOEF_X_GATE_FIRST
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+#endif
     pdl_wait();
     float hr[MOEF_MAXJ][8];
     // the warp's partial sums of the output, chunk lane + 32 j
