@@ -201,12 +201,6 @@ __device__ __forceinline__ float block_rstd(float ss, float* red, int k, float e
     return 1.0f / sqrtf(s / (float)k + eps);
 }
 
-// A lane's shares of the dot products of R bf16 rows staged in shared memory (`nch` chunks of
-// 8; row j at w + j * stride) with the floats `stage_row` staged: chunks lane, lane + 32, ...,
-// each chunk's 8 products in order (the staged GEMVs' order; warp_sum adds the lanes'). The
-// input's chunk is read from shared memory once for all R rows: read once a row, its two
-// 16-byte loads (a two-way bank conflict: chunks are 32 bytes apart) made the products of a
-// 4-row warp ≈ 3.3 µs (H100, session 25), more than the rows' copy.
 // a + the 8 products of a chunk of bf16 weights `w` with the floats (xa, xb), added in order
 // (the staged GEMVs' order of sums).
 __device__ __forceinline__ float dot8_add(float a, uint4 w, const float4& xa, const float4& xb) {
@@ -218,6 +212,12 @@ __device__ __forceinline__ float dot8_add(float a, uint4 w, const float4& xa, co
     a = fmaf(wf[6], xb.z, a); a = fmaf(wf[7], xb.w, a);
     return a;
 }
+// A lane's shares of the dot products of R bf16 rows staged in shared memory (`nch` chunks of
+// 8; row j at w + j * stride) with the floats `stage_row` staged: chunks lane, lane + 32, ...,
+// each chunk's 8 products in order (the staged GEMVs' order; warp_sum adds the lanes'). The
+// input's chunk is read from shared memory once for all R rows: read once a row, its two
+// 16-byte loads (a two-way bank conflict: chunks are 32 bytes apart) made the products of a
+// 4-row warp ≈ 3.3 µs (H100, session 25), more than the rows' copy.
 template <int R>
 __device__ __forceinline__ void staged_dots(const uint4* w, int stride, const float* xs, int nch, int lane,
                                             float (&acc)[R]) {
@@ -371,9 +371,8 @@ __device__ __forceinline__ void mbar_arrive(u32 a) {
 __device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
 }
-// `bytes` (a multiple of 16) from global `src` (16-byte aligned) to shared `dst`, completing on
-// the barrier at `bar`.
-// Weights only (marked first to leave L2, as ld_stream16 marks them).
+// `bytes` (a multiple of 16) of weights from global `src` (16-byte aligned) to shared `dst`,
+// completing on the barrier at `bar` (marked first to leave L2, as ld_stream16 marks them).
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
 #ifdef DI_EVICT_FIRST
     asm volatile(
@@ -438,10 +437,10 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 // With DEEPINFER_TRACE defined (`DEEPINFER_CUDA_TRACE`, host side in `backend/cuda/trace.rs`),
 // both also stamp the launch's record in `di_trace` from thread 0 of one block in 16: the
 // first and last trigger and the first and last return from the wait, in global-timer
-// nanoseconds (and `di_trace_phase`, the first and last block to reach a phase). A kernel's wait returns once the kernels before it are done, so the gaps
-// between successive launches' first returns are each kernel's share of the step. Only a
-// block's first stamp waits on memory (it claims the record), so a traced step runs close to
-// an untraced one.
+// nanoseconds (and, for `di_trace_phase`, the first and last block to reach each phase). A
+// kernel's wait returns once the kernels before it are done, so the gaps between successive
+// launches' first returns are each kernel's share of the step. Only a block's first stamp
+// waits on memory (it claims the record), so a traced step runs close to an untraced one.
 #ifdef DEEPINFER_TRACE
 #define DI_TRACE_SLOTS 4096
 // key (grid id + 1), blocks << 32 | threads, ~first trigger, last trigger, ~first wait, last

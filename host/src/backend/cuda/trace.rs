@@ -130,8 +130,8 @@ struct Rec {
     wait_last: u64,
     /// The latest time each phase was reached (0: never).
     phases: [u64; PHASES],
-    /// The earliest time each phase was reached (0: never).
-    phases_first: [u64; PHASES],
+    /// The earliest time each phase was reached.
+    phases_first: [Option<u64>; PHASES],
 }
 
 /// The report of a table (`words`) for the pass's kernels in launch order (`names`).
@@ -147,9 +147,9 @@ fn report(words: &[u64], names: &[&str]) -> String {
             wait: (r[4] != 0).then_some(!r[4]),
             wait_last: r[5],
             phases: std::array::from_fn(|k| r[6 + k]),
-            phases_first: std::array::from_fn(|k| match r[6 + PHASES + k] {
-                0 => 0,
-                w => !w,
+            phases_first: std::array::from_fn(|k| {
+                let w = r[6 + PHASES + k];
+                (w != 0).then_some(!w)
             }),
         })
         .collect();
@@ -197,10 +197,11 @@ fn report(words: &[u64], names: &[&str]) -> String {
             .enumerate()
             .filter(|(_, &p)| p != 0)
             .map(|(k, &p)| {
-                let us = |t: u64| (t as i64 - mark(r) as i64) as f64 / 1e3;
+                // µs after the launch's mark
+                let after = |t: u64| (t as i64 - mark(r) as i64) as f64 / 1e3;
                 match r.phases_first[k] {
-                    f if f != 0 && f < p => format!(" p{k} {:+.2}/{:+.2}", us(f), us(p)),
-                    _ => format!(" p{k} {:+.2}", us(p)),
+                    Some(f) if f < p => format!(" p{k} {:+.2}/{:+.2}", after(f), after(p)),
+                    _ => format!(" p{k} {:+.2}", after(p)),
                 }
             })
             .collect();
