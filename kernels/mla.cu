@@ -1416,9 +1416,6 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     __shared__ float sc[KT], ps[KT];
     __shared__ float ml[2];
     __shared__ float red[32];
-#ifdef MLA1_X_ML_ONCE
-    __shared__ float mlc[2][MLA1_MAXC];  // the cluster's (max, sum) pairs, rank order
-#endif
     // LAYER: this block's query rows, the head's V output, the last-block flag; the input in
     // f32 in dynamic shared memory
     __shared__ float qloc[LAYER ? MLA1_MAXQR : 1];
@@ -1476,6 +1473,9 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         mla1_prefetch_rows(wk, L.row_bytes, (unsigned)L.k * 2, nkv);
     }
     if (k0 < k1) mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
+    // (traced builds: the block at its wait, its loads before it asked for; the first tile's
+    // copies need the block table read first)
+    if constexpr (!LAYER) di_trace_phase(7);
     pdl_wait();
 
     const T* qh = q + ((long)t * heads + h) * qk;
@@ -1679,32 +1679,14 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             ms[s] = NEG_INF;
             ls[s] = b0[s] = b1[s] = 0.0f;
             if (s < C) {
-#ifndef MLA1_X_ML_ONCE
                 ms[s] = cluster_ld(&ml[0], s);
                 ls[s] = cluster_ld(&ml[1], s);
-#endif
                 if (c0 < r) {
                     b0[s] = cluster_ld(&buf[c0], s);
                     b1[s] = cluster_ld(&buf[c0 + 1], s);
                 }
             }
         }
-#ifdef MLA1_X_ML_ONCE
-        // Experiment: the ranks' (max, sum) pairs asked for once a block, by C threads, instead
-        // of by every thread (a remote load that all 32 lanes of a warp make of one address
-        // may cost as much as 32 loads); the same values, so the same merge.
-        if (tid < C) {
-            mlc[0][tid] = cluster_ld(&ml[0], tid);
-            mlc[1][tid] = cluster_ld(&ml[1], tid);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int s = 0; s < MLA1_MAXC; s++)
-            if (s < C) {
-                ms[s] = mlc[0][s];
-                ls[s] = mlc[1][s];
-            }
-#endif
         float mx = NEG_INF;
 #pragma unroll
         for (int s = 0; s < MLA1_MAXC; s++) mx = fmaxf(mx, ms[s]);

@@ -1594,10 +1594,8 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
 }
 
 // Before the programmatic wait a block of moe_ffn1 / moe_fk1 asks for its warps' first ring
-// pages (up to 192 KB) and loads what the routing reads (block b's router row, the norm's
-// gains, the expert addresses, the bias). Experiment MOEF_X_GATE_FIRST: the routing's loads
-// first, so they do not queue behind the ring's copies while the memory is busiest (the
-// routing is the layer's critical path; the pages are not needed before it is done).
+// pages (up to 192 KB), then loads what the routing reads (block b's router row, the norm's
+// gains, the expert addresses, the bias). (Those loads first measured no faster, session 26.)
 __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t, const u8* gate, int gate_wt,
                                                  long gate_row_bytes, const float* gain, const u64* ptrs,
                                                  const float* bias, int E, bool mine) {
@@ -1734,14 +1732,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const bool mine = tid < nch;
     uint4 graw[1][2];
     MoeTok1 t;
-#ifdef MOEF_X_GATE_FIRST
-    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
-#endif
     if (lane == 0)
         while (issued < ppw && early(issued)) issue(issued++);
-#ifndef MOEF_X_GATE_FIRST
     moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
-#endif
     pdl_wait();
     if (om > 0) {
         // 0. the product before the layer (gemvp's ACC sums in their order): its input staged
@@ -2009,14 +2002,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     const bool mine = tid < nch;
     uint4 graw[1][2];
     MoeTok1 t;
-#ifdef MOEF_X_GATE_FIRST
-    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
-#endif
     if (lane == 0)
         while (issued < ppw && issued < nsh) issue(issued++);
-#ifndef MOEF_X_GATE_FIRST
     moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
-#endif
     pdl_wait();
     float hr[MOEF_MAXJ][8];
     // the warp's partial sums of the output, chunk lane + 32 j

@@ -126,6 +126,8 @@ struct Rec {
     blocks: u64,
     threads: u64,
     start: u64,
+    /// The latest block's trigger (its start where the kernel triggers first thing).
+    start_last: u64,
     wait: Option<u64>,
     wait_last: u64,
     /// The latest time each phase was reached (0: never).
@@ -144,6 +146,7 @@ fn report(words: &[u64], names: &[&str]) -> String {
             blocks: r[1] >> 32,
             threads: r[1] & 0xffff_ffff,
             start: !r[2],
+            start_last: r[3],
             wait: (r[4] != 0).then_some(!r[4]),
             wait_last: r[5],
             phases: std::array::from_fn(|k| r[6 + k]),
@@ -183,8 +186,8 @@ fn report(words: &[u64], names: &[&str]) -> String {
         .unwrap_or(t0);
     let _ = writeln!(
         out,
-        "{:>4} {:<40} {:>7} {:>5} {:>9} {:>9} {:>9} {:>8}  phases (us after the first wait: first/last block)",
-        "#", "kernel", "blocks", "thr", "start_us", "wait_us", "wlast_us", "share_us"
+        "{:>4} {:<40} {:>7} {:>5} {:>9} {:>9} {:>9} {:>9} {:>8}  phases (us after the first wait: first/last block)",
+        "#", "kernel", "blocks", "thr", "start_us", "slast_us", "wait_us", "wlast_us", "share_us"
     );
     let mut by_name: Vec<(String, f64, usize)> = Vec::new();
     for (i, r) in recs.iter().enumerate() {
@@ -207,10 +210,11 @@ fn report(words: &[u64], names: &[&str]) -> String {
             .collect();
         let _ = writeln!(
             out,
-            "{i:>4} {name:<40} {:>7} {:>5} {:>9.2} {:>9} {:>9.2} {share:>8.2}{phases}",
+            "{i:>4} {name:<40} {:>7} {:>5} {:>9.2} {:>9.2} {:>9} {:>9.2} {share:>8.2}{phases}",
             r.blocks,
             r.threads,
             us(r.start),
+            us(r.start_last),
             r.wait.map_or("-".into(), |w| format!("{:.2}", us(w))),
             us(r.wait_last),
         );
@@ -297,6 +301,19 @@ mod tests {
         let r = report(&w, &["a"]);
         let line = r.lines().nth(2).unwrap();
         assert!(line.contains(" p1 +0.50 p3 +0.25/+1.75"), "{r}");
+    }
+
+    #[test]
+    fn the_last_blocks_trigger_and_wait_are_shown_after_the_first() {
+        let mut w = vec![0u64; 2 * WORDS];
+        rec(&mut w, 0, 5, 1_000, Some(2_000));
+        // the last sampled block triggered at 1.4 us and returned from its wait at 3.1 us
+        w[3] = 1_400;
+        w[5] = 3_100;
+        let r = report(&w, &["a"]);
+        let cols: Vec<&str> = r.lines().nth(2).unwrap().split_whitespace().collect();
+        // #, kernel, blocks, threads, start, last start, wait, last wait (us after the start)
+        assert_eq!(&cols[4..8], ["0.00", "0.40", "1.00", "2.10"], "{r}");
     }
 
     #[test]
