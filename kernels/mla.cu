@@ -1227,15 +1227,17 @@ struct Mla8<float> {
     }
 };
 
+// Where key j's cache row starts (values) in a paged cache of rows W values long.
+__device__ __forceinline__ long mla1_key_offset(const int* table, int block_size, int W, int j) {
+    return ((long)table[j / block_size] * block_size + j % block_size) * W;
+}
+
 // Looks up the cache offsets of keys [j0, j0 + nk) into slot_of, then streams their rows
 // (all but position `skip`) into kt with cp.async; the caller waits and synchronizes.
 template <typename T, int KT>
 __device__ __forceinline__ void mla1_tile(T (*kt)[MLA_MAXW], long* slot_of, const T* cache, const int* table,
                                           int block_size, int W, int j0, int nk, int skip) {
-    if ((int)threadIdx.x < nk) {
-        const int j = j0 + threadIdx.x;
-        slot_of[threadIdx.x] = ((long)table[j / block_size] * block_size + j % block_size) * W;
-    }
+    if ((int)threadIdx.x < nk) slot_of[threadIdx.x] = mla1_key_offset(table, block_size, W, j0 + threadIdx.x);
     __syncthreads();
     constexpr int E = 16 / sizeof(T);  // values a 16-byte copy
     const int per = W / E;
@@ -1255,11 +1257,7 @@ __device__ __forceinline__ void mla1_tile_warp(T (*kt)[MLA_MAXW], const T* cache
                                                int W, int j0, int nk, int skip) {
     static_assert(KT <= 32, "a lane a key");
     const int lane = threadIdx.x & 31;
-    long so = 0;
-    if (lane < nk) {
-        const int j = j0 + lane;
-        so = ((long)table[j / block_size] * block_size + j % block_size) * W;
-    }
+    const long so = lane < nk ? mla1_key_offset(table, block_size, W, j0 + lane) : 0;
     constexpr int E = 16 / sizeof(T);  // values a 16-byte copy
     const int per = W / E, n = nk * per;
     for (int e0 = 0; e0 < n; e0 += 32) {  // the same trip count in every lane (the shuffle)

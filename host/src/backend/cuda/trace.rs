@@ -6,7 +6,8 @@
 //! `di_trace` table from one block in 16. The queue clears the table before the
 //! `DEEPINFER_CUDA_TRACE_AT`-th pass of at least [`MIN_OPS`] operations (default 40: a decode
 //! step well after the graph is captured), waits for the pass, and writes one row a kernel to
-//! FILE: its name, when its first block started, when its wait first returned (when the
+//! FILE: its name, when its first and its last sampled block triggered (most kernels trigger
+//! first thing, so: started), when its wait first and last returned (the first: when the
 //! kernels before it had finished) and its share of the pass (the gap to the next kernel's first
 //! return) and when its sampled blocks first and last reached each phase (`di_trace_phase`),
 //! then the shares summed by kernel name. ncu times kernels one at a time; this shows what each
