@@ -1248,26 +1248,6 @@ __device__ __forceinline__ void mla1_tile(T (*kt)[MLA_MAXW], long* slot_of, cons
     cp_async_commit();
 }
 
-// mla1_tile's first tile by one warp, with no block barrier (experiment MLA1_X_TILE_WARP): lane
-// kk looks up key j0 + kk's cache offset and the warp's lanes take every row's copies, each
-// reading its row's offset from the lane that found it. The warp waits for its own copies (the
-// caller waits and synchronizes the block before any thread reads the tile).
-template <typename T, int KT>
-__device__ __forceinline__ void mla1_tile_warp(T (*kt)[MLA_MAXW], const T* cache, const int* table, int block_size,
-                                               int W, int j0, int nk, int skip) {
-    static_assert(KT <= 32, "a lane a key");
-    const int lane = threadIdx.x & 31;
-    const long so = lane < nk ? mla1_key_offset(table, block_size, W, j0 + lane) : 0;
-    constexpr int E = 16 / sizeof(T);  // values a 16-byte copy
-    const int per = W / E, n = nk * per;
-    for (int e0 = 0; e0 < n; e0 += 32) {  // the same trip count in every lane (the shuffle)
-        const int e = e0 + lane, kk = min(e / per, nk - 1);
-        const long s = __shfl_sync(0xffffffffu, so, kk);
-        if (e < n && j0 + kk != skip) cp_async16(&kt[kk][(e % per) * E], cache + s + (e % per) * E, true);
-    }
-    cp_async_commit();
-}
-
 // The attention half of a decoder layer in the fused decode launch (`mla_layer1`, one token,
 // bf16): the RMSNorm of the residual stream and the q / kv_a products before the attention,
 // the o product and the residual add after it. Block b of head h's cluster (global block
@@ -1494,14 +1474,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         mla1_prefetch_rows(wq, L.row_bytes, (unsigned)L.k * 2, nq);
         mla1_prefetch_rows(wk, L.row_bytes, (unsigned)L.k * 2, nkv);
     }
-#ifdef MLA1_X_TILE_WARP
-    // Experiment: the first tile by the last warp alone, so the other warps reach the wait
-    // without waiting for the block table's load (a block barrier inside mla1_tile)
-    if (k0 < k1 && warp == MLA_WARPS - 1)
-        mla1_tile_warp<T, KT>(kt, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
-#else
     if (k0 < k1) mla1_tile<T, KT>(kt, slot_of, cache, table, block_size, W, k0, min(KT, k1 - k0), pos);
-#endif
     // (traced builds: the block at its wait, its loads before it asked for; the first tile's
     // copies need the block table read first)
     if constexpr (!LAYER) di_trace_phase(7);

@@ -1875,6 +1875,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     di_trace_phase(4);
+#ifdef DEEPINFER_TRACE
+    if (qrows == 0) {
+        __syncthreads();  // (traced builds: every warp's down rows done, not only warp 0's)
+        di_trace_phase(5);
+    }
+#endif
     if (qrows > 0) {
         // 5. the next product (the next layer's RMSNorm of `res` and its q / kv_a rows, as
         // gemvp's NORM blocks compute them, sums in their order): once every block's residual
