@@ -1722,13 +1722,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // Timing experiment only (wrong values): a gate/up unit as one 8 KB copy, the same bytes
         // in all: unit row r of n reads rows 2r, 2r + 1 of the gate matrix for r < n / 2, else
         // rows 2r - n, 2r - n + 1 of the up matrix, so every row is read once
+        // (p0, p1 are rows r of the gate and up matrices: row 2r is r rows past p0)
         if (i < my_ng) {
-            const bool sh = u < nsh;
-            const long j = sh ? sh0 + u : rt0 + (u - nsh), n = sh ? ush : inter, r = j % n;
-            const bf16_t* g = sh ? sh_gate : reinterpret_cast<const bf16_t*>(sel[j / inter][0]);
-            const bf16_t* up = sh ? sh_up : reinterpret_cast<const bf16_t*>(sel[j / inter][1]);
-            p0 = 2 * r < n ? g + 2 * r * d : up + (2 * r - n) * d;
-            fill(pg, p0, nullptr, false, bytes * 2);
+            const long n = u < nsh ? ush : inter, r = u < nsh ? sh0 + u : (rt0 + u - nsh) % inter;
+            fill(pg, 2 * r < n ? p0 + r * d : p1 + (r - n) * d, nullptr, false, bytes * 2);
             return;
         }
 #endif
