@@ -336,6 +336,16 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
+// The same with the lines kept before others when L2 must evict (evict_last), for bytes asked
+// for well before a stream of evict-first weights passes through.
+__device__ __forceinline__ void prefetch_l2_bulk_last(const void* src, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    u64 p;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(p)
+                 : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 // Waits until at most N of this thread's committed copy groups are still in flight.

@@ -1611,7 +1611,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* qw0, const u8* qw1, const u8* qw2, bf16_t* qy0, bf16_t* qy1, bf16_t* qy2, int qm0, int qm1,
     int qm2, const float* qg, float qeps, bf16_t* qh, const u8* ow, const bf16_t* oa, bf16_t* oy, bf16_t* ores,
-    int om, int ok) {
+    int om, int ok, int l2f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 moef_smem[];
     __shared__ __align__(8) u64 bars[MOEF_MAXP];
@@ -1718,17 +1718,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
-#ifdef DI_X_GU_ONECOPY
-        // Timing experiment only (wrong values): a gate/up unit as one 8 KB copy, the same bytes
-        // in all: unit row r of n reads rows 2r, 2r + 1 of the gate matrix for r < n / 2, else
-        // rows 2r - n, 2r - n + 1 of the up matrix, so every row is read once
-        // (p0, p1 are rows r of the gate and up matrices: row 2r is r rows past p0)
-        if (i < my_ng) {
-            const long n = u < nsh ? ush : inter, r = u < nsh ? sh0 + u : (rt0 + u - nsh) % inter;
-            fill(pg, 2 * r < n ? p0 + r * d : p1 + (r - n) * d, nullptr, false, bytes * 2);
-            return;
-        }
-#endif
         fill(pg, p0, p1, true, bytes);
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
@@ -1781,8 +1770,26 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     }
     // this lane's chunks of the normalized row (chunk lane + 32 j)
     float hr[MOEF_MAXJ][8];
+    // While the grid waits for the logits the memory idles (the ring is full): the last warp
+    // asks L2 for this block's down rows of the shared experts, 4 KB a lane (`l2f`: 0 not at
+    // all, 1 as any line, 2 evict_last, kept before the evict-first weight streams)
+    auto ask_l2 = [&] {
+        if (l2f == 0 || warp != MOEF_WARPS - 1) return;
+        const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
+        const long n = 2L * nrp * ush * 2;
+        for (long o = (long)lane << 12; o < n; o += 32L << 12) {
+            const unsigned m = (unsigned)min(4096L, n - o);
+            if (l2f == 2)
+                prefetch_l2_bulk_last(p + o, m);
+            else
+                prefetch_l2_bulk(p + o, m);
+        }
+    };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
-               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
+               hs, red, cid, cw, sel, selw, [&] {
+                   moef_lane_row(hr, hs, nch);
+                   ask_l2();
+               });
     __syncthreads();
     di_trace_phase(1);
     // the pages left free: the warp has read its units of the product before the layer
@@ -1797,7 +1804,13 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // the 16 partial sums first, then their butterflies side by side (warp_sum's order):
         // independent chains, where one sum after another would leave the warp waiting
         float a[MOEF_MAXJ], e[MOEF_MAXJ];
+#ifdef DI_X_NOCOMPUTE
+        // Timing experiment only (wrong values): the rings stream without the sums, so a
+        // trace's phases show what the copies alone take
+        for (int j = 0; j < MOEF_MAXJ; j++) a[j] = e[j] = 0.0f;
+#else
         moef_gu_partials(a, e, wg, wu, hr, nch);
+#endif
         __syncwarp();
         if (lane == 0 && issued < my_units) issue(issued++);
 #pragma unroll
@@ -1852,6 +1865,13 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
             mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
             const bf16_t* w0 = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
+#ifdef DI_X_NOCOMPUTE
+            if (w0 != nullptr) {
+                __syncwarp();
+                if (lane == 0 && issued < my_units) issue(issued++);
+                continue;
+            }
+#endif
 #pragma unroll
             for (int j = 0; j < MOEF_MAXIJ; j++) {
                 const int c = lane + 32 * j;

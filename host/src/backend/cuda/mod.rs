@@ -199,6 +199,12 @@ pub struct CudaOptions {
     /// memory would idle (`moe::link_next_weights`); off by default (measured 0.5% slower on an
     /// H100, doc/benchmarks.md); `DEEPINFER_CUDA_FK1_L2=1` turns it on.
     pub fk1_l2: bool,
+    /// How a `moe_ffn1` block asks L2 for its down rows of the shared experts while the grid
+    /// waits for the router's logits (the memory idles then: the rings are full): 0, not at
+    /// all; 1, as any line; 2 (the default), marked evict-last, kept before the evict-first
+    /// weight streams (measured 1.0% faster a step than 0 on H100s: 12 processes each way over
+    /// four calls; 1 less consistently; doc/benchmarks.md); `DEEPINFER_CUDA_FFN1_L2=N`.
+    pub ffn1_l2: u32,
     /// Most ring pages of a `moe_ffn1` block (0: as many as its shared memory holds, today 24
     /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
     /// beside it (`mla_dec1`'s) (`DEEPINFER_CUDA_FFN1_PAGES=N`, a multiple of 8).
@@ -388,6 +394,7 @@ impl Default for CudaOptions {
             moe_ffn1: true,
             moe_splitk: false,
             fk1_l2: false,
+            ffn1_l2: 2,
             ffn1_next: false,
             ffn1_prev: false,
             ffn1_pages: 0,
@@ -411,7 +418,8 @@ impl CudaOptions {
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]),
     /// `DEEPINFER_CUDA_FFN1_PREV` / `DEEPINFER_CUDA_FFN1_NEXT` (`1` on, `0` off),
-    /// `DEEPINFER_CUDA_FFN1_PAGES` (a multiple of 8), among others named at their fields. The
+    /// `DEEPINFER_CUDA_FFN1_PAGES` (a multiple of 8), `DEEPINFER_CUDA_FFN1_L2` (`0`, `1`, `2`),
+    /// among others named at their fields. The
     /// kernels' `DEEPINFER_CUDA_DEFINE` list (see [`module::kernel_defines`]) is checked here too.
     pub fn from_env() -> Result<CudaOptions> {
         let mut o = CudaOptions::default();
@@ -495,6 +503,14 @@ impl CudaOptions {
                 o.ffn1_pages
             )));
         }
+        let mut l2 = o.ffn1_l2 as usize;
+        count("DEEPINFER_CUDA_FFN1_L2", "modes", &mut l2)?;
+        if l2 > 2 {
+            return Err(Error::BadConfig(format!(
+                "DEEPINFER_CUDA_FFN1_L2={l2}: expected 0 (off), 1 (as any line) or 2 (evict-last)"
+            )));
+        }
+        o.ffn1_l2 = l2 as u32;
         count(
             "DEEPINFER_CUDA_MOE_GEMM_MIN",
             "assignments",

@@ -750,6 +750,7 @@ fn forward_decode(
             // (fold_next_norm_gemv, fold_prev_acc_gemv)
             debug_assert_eq!(args.len(), FFN1_NEXT);
             args.resize(FFN1_ARGS, 0);
+            args[FFN1_L2] = inner.opts.ffn1_l2 as u64;
             inner.push(launch(&f, args));
             layer.count_device_step();
             return Ok(());
@@ -933,8 +934,11 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
 }
 
 /// Parameters of `moe_ffn1`: out, res, ..., page (28), then the folded products' from
-/// [`FFN1_NEXT`] and [`FFN1_PREV`].
-const FFN1_ARGS: usize = 47;
+/// [`FFN1_NEXT`] and [`FFN1_PREV`], then [`FFN1_L2`].
+const FFN1_ARGS: usize = 48;
+/// Where `moe_ffn1`'s last parameter is: how it asks L2 for its shared down rows
+/// (`CudaOptions::ffn1_l2`).
+const FFN1_L2: usize = 47;
 /// Where `moe_ffn1`'s parameters of the product after the layer start: three (weight, output,
 /// rows) segments as the GEMVs take them, the norm's gain and eps, the norm's output.
 const FFN1_NEXT: usize = 29;
@@ -1034,7 +1038,7 @@ pub(crate) fn fold_prev_acc_gemv(ops: &mut Vec<Op>, m: &Module) -> u64 {
         };
         let fits = *kernel == ffn1
             && args.len() == FFN1_ARGS
-            && args[FFN1_PREV..].iter().all(|&v| v == 0)
+            && args[FFN1_PREV..FFN1_L2].iter().all(|&v| v == 0)
             && acc_kernels.contains(&Some(g.kernel))
             && g.wtype == WType::Bf16
             && g.norm.is_none()
