@@ -13,7 +13,7 @@ import sys
 
 # The order `backend::cuda::module` concatenates the sources in.
 ORDER = ["common.cuh", "elementwise.cu", "gemv.cu", "gemt.cu", "attention_decode.cu",
-         "attention_prefill.cu", "sample.cu", "mla.cu", "moe.cu"]
+         "attention_prefill.cu", "sample.cu", "mla.cu", "moe.cu", "stream.cu"]
 
 
 def main():

@@ -72,6 +72,17 @@ pub enum BenchMode {
     /// The engine offline: batched vs one-at-a-time throughput, prefix-hit time to first
     /// token, exposed CPU time per decode step (CPU; records as JSON lines).
     Offline(super::bench_offline::OfflineArgs),
+    /// The device's read rate by each path the CUDA kernels stream weights with: 16-byte
+    /// loads into registers, and bulk copies into rings of shared-memory pages of each size,
+    /// 1 to 8 pages a warp (CUDA; one line a path, JSON records with --output).
+    Stream {
+        /// Bytes read a launch, MiB (several times the L2's size).
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+        /// Ring page sizes, KiB, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+        pages_kib: Vec<usize>,
+    },
 }
 
 struct Point {
@@ -156,6 +167,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         let mut sink = open_sink(&a.output)?;
         return super::bench_offline::run(a.model.as_deref(), a.threads, a.repeats, o, &mut sink);
     }
+    if let BenchMode::Stream { mib, pages_kib } = &a.mode {
+        return stream(&a, *mib, pages_kib);
+    }
     let device = match a.device {
         Device::Cpu { .. } => Device::Cpu {
             threads: a.threads.max(1),
@@ -218,7 +232,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 cached_prefix: 0,
             })
             .collect(),
-        BenchMode::Offline(_) => Vec::new(),
+        BenchMode::Offline(_) | BenchMode::Stream { .. } => Vec::new(),
     };
     let model_name = path
         .file_name()
@@ -353,4 +367,99 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         eprintln!("{l}");
     }
     Ok(())
+}
+
+/// `deepinfer bench stream`: each read path's median rate over `--repeats` launches (after
+/// one unmeasured launch), a line each in the probe's order.
+#[cfg(feature = "cuda")]
+fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> {
+    use crate::backend::cuda::{CudaBackend, CudaOptions};
+    let Device::Cuda { ordinal } = a.device else {
+        bail!("bench stream measures a CUDA device: pass --device cuda");
+    };
+    if a.repeats == 0 {
+        bail!("--repeats: at least one measured launch");
+    }
+    let be = CudaBackend::new(ordinal, CudaOptions::from_env()?)?;
+    let bytes = mib.checked_mul(1 << 20).context("--mib: too large")?;
+    let units: Vec<usize> = pages_kib.iter().map(|k| k.saturating_mul(1024)).collect();
+    let points = be.stream_probe(bytes, &units, a.repeats)?;
+    let device = crate::backend::Backend::device_name(&be);
+    let commit = commit();
+    let mut sink = a
+        .output
+        .as_ref()
+        .map(|_| open_sink(&a.output))
+        .transpose()?;
+    println!(
+        "{device}: {mib} MiB a launch, median of {} launches",
+        a.repeats
+    );
+    println!("path  page_kib  pages/warp  copies  in_flight_kib/SM   TB/s");
+    for p in &points {
+        let rate = p.median_rate(bytes) / 1e12;
+        println!(
+            "{:<5} {:>8} {:>11} {:>7} {:>17} {:>7.3}",
+            p.path,
+            p.unit / 1024,
+            p.pages,
+            p.copies,
+            p.in_flight / 1024,
+            rate
+        );
+        if let Some(s) = sink.as_mut() {
+            let rec = serde_json::json!({
+                "mode": "stream",
+                "device": device,
+                "commit": commit,
+                "path": p.path,
+                "page_bytes": p.unit,
+                "pages_per_warp": p.pages,
+                "copies": p.copies,
+                "in_flight_bytes": p.in_flight,
+                "bytes": bytes,
+                "raw_s": p.seconds,
+                "median_tb_s": rate,
+            });
+            writeln!(s, "{rec}")?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn stream(_: &BenchArgs, _: usize, _: &[usize]) -> anyhow::Result<()> {
+    bail!("bench stream measures a CUDA device: this build has none (build with `--features cuda`)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn bench_stream_parses_its_options_and_asks_for_a_cuda_device() {
+        let cli = Cli::try_parse_from(["bench", "stream", "--mib", "256", "--pages-kib", "4,16"])
+            .expect("parses");
+        match &cli.bench.mode {
+            BenchMode::Stream { mib, pages_kib } => {
+                assert_eq!(*mib, 256);
+                assert_eq!(pages_kib, &[4, 16]);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        // the CPU is not a device the probe measures, with or without the CUDA backend built
+        let err = run(cli.bench).expect_err("the CPU has no stream probe");
+        assert!(
+            err.to_string()
+                .contains("bench stream measures a CUDA device"),
+            "{err}"
+        );
+    }
 }

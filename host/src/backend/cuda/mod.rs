@@ -19,6 +19,7 @@ mod queue;
 mod readback;
 mod sample;
 mod step;
+mod stream;
 mod trace;
 mod weights;
 
@@ -41,6 +42,7 @@ use queue::{Op, Queue};
 pub use mla::CudaMlaKv;
 pub use queue::QueueStats;
 pub use step::{bucket, CudaStep};
+pub use stream::StreamPoint;
 pub use weights::{CudaKv, CudaWeight};
 
 /// Element type of activations on the device.

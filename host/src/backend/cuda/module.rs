@@ -36,6 +36,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("sample.cu", include_str!("../../../../kernels/sample.cu")),
     ("mla.cu", include_str!("../../../../kernels/mla.cu")),
     ("moe.cu", include_str!("../../../../kernels/moe.cu")),
+    ("stream.cu", include_str!("../../../../kernels/stream.cu")),
 ];
 
 /// NVRTC options besides the architecture.
@@ -515,6 +516,11 @@ pub struct Module {
     /// segments) and gate/up with SwiGLU.
     pub gemt: [KernelId; 5],
     pub gemt_swiglu: [KernelId; 5],
+    /// The read-rate probes of `deepinfer bench stream` (`kernels/stream.cu`): 16-byte loads
+    /// into registers, and bulk copies into rings of shared-memory pages (sm_90+, with the
+    /// dynamic shared memory it may ask for).
+    pub stream_ldg: KernelId,
+    pub stream_ring: Option<(KernelId, u32)>,
 }
 
 impl Module {
@@ -765,6 +771,12 @@ impl Module {
             get("mla_x_gather".into())?,
             get("mla_x_attn".into())?,
         ];
+        let stream_ldg = get("stream_ldg".into())?;
+        let stream_ring = if major >= 9 {
+            Some(get("stream_ring".into())?)
+        } else {
+            None
+        };
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
         for (i, t) in GEMT_TOKENS.iter().enumerate() {
@@ -822,6 +834,9 @@ impl Module {
             }
             .map_err(|e| cuda_err("raising a kernel's shared memory limit", e))?;
         }
+        let stream_ring = stream_ring.and_then(|k| {
+            raise_dyn_smem(funcs[k.0 as usize].cu_function(), max_smem, usize::MAX).map(|s| (k, s))
+        });
         for ds in deepseek.iter_mut() {
             let kernels = [ds.moe_route_decc[0], ds.moe_route_decc[1], ds.moe_route1c];
             for (k, own) in kernels.iter().zip(ds.route_own_smem.iter_mut()) {
@@ -855,6 +870,8 @@ impl Module {
             }
         }
         Ok(Module {
+            stream_ldg,
+            stream_ring,
             funcs,
             names,
             trace_table,

@@ -1,0 +1,155 @@
+//! `deepinfer bench stream`: the rate at which one launch reads a buffer several times the
+//! L2's size by each path the weight streams take (`kernels/stream.cu`): 16-byte loads into
+//! registers, and bulk copies into rings of shared-memory pages of several sizes and depths,
+//! as `moe_ffn1` streams its units. The ceiling each path reaches on the machine is what the
+//! kernels' phases are measured against (doc/benchmarks.md).
+
+use super::queue::Op;
+use super::CudaBackend;
+use crate::error::{Error, Result};
+
+/// Threads of a probe block (`STREAM_THREADS`).
+const THREADS: u32 = 256;
+/// Warps of a ring probe block, each owning its pages.
+const WARPS: usize = 8;
+/// Most ring pages a warp (`STREAM_MAXP` / 8).
+const MAX_PPW: usize = 8;
+
+/// One path's measured rate.
+#[derive(Debug, Clone)]
+pub struct StreamPoint {
+    /// `ldg` (registers) or `ring` (bulk copies into shared memory).
+    pub path: &'static str,
+    /// Bytes a ring page (0 for `ldg`).
+    pub unit: usize,
+    /// Ring pages a warp (0 for `ldg`).
+    pub pages: usize,
+    /// Bulk copies a page (a unit as one copy or as halves).
+    pub copies: usize,
+    /// Bytes an SM has asked for and not yet read, at most (the ring's size; `ldg`: 8 loads
+    /// of 16 bytes a thread of 8 blocks).
+    pub in_flight: usize,
+    /// Device seconds of each measured launch.
+    pub seconds: Vec<f64>,
+}
+
+impl StreamPoint {
+    /// The median launch's rate, bytes a second over `bytes`.
+    pub fn median_rate(&self, bytes: usize) -> f64 {
+        let mut s = self.seconds.clone();
+        s.sort_by(f64::total_cmp);
+        let m = match s.len() {
+            0 => return 0.0,
+            n if n % 2 == 1 => s[n / 2],
+            n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+        };
+        bytes as f64 / m
+    }
+}
+
+impl CudaBackend {
+    /// Reads `bytes` of device memory `repeats` times (after one unmeasured launch) by each
+    /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
+    /// pages, 1 to 8 a warp where they fit in shared memory, each unit as one copy and as two.
+    pub fn stream_probe(
+        &self,
+        bytes: usize,
+        units: &[usize],
+        repeats: usize,
+    ) -> Result<Vec<StreamPoint>> {
+        let inner = &self.inner;
+        let m = &inner.module;
+        if bytes < 1 << 20 || !bytes.is_multiple_of(1 << 16) {
+            return Err(Error::BadConfig(format!(
+                "stream probe: {bytes} bytes; expected a multiple of 64 KiB, at least 1 MiB"
+            )));
+        }
+        if let Some(&u) = units
+            .iter()
+            .find(|&&u| u < 1024 || !u.is_multiple_of(1024) || u > 64 * 1024)
+        {
+            return Err(Error::BadConfig(format!(
+                "stream probe: a page of {u} bytes; expected a multiple of 1 KiB from 1 to 64 KiB"
+            )));
+        }
+        let buf = inner.scratch(bytes, 1)?;
+        let sink = inner.scratch(1, 4)?;
+        let sms = m.sms as u32;
+        let mut points = Vec::new();
+        inner.flush()?;
+        inner.sync()?;
+        let mut measure = |p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
+            let mut p = p;
+            for r in 0..=repeats {
+                let before = inner.queue().stats.device_s;
+                inner.push(op());
+                inner.flush()?;
+                inner.sync()?;
+                let after = inner.queue().stats.device_s;
+                if r > 0 {
+                    p.seconds.push(after - before);
+                }
+            }
+            points.push(p);
+            Ok(())
+        };
+        inner.queue().timing = true;
+        let ldg = StreamPoint {
+            path: "ldg",
+            unit: 0,
+            pages: 0,
+            copies: 0,
+            // 8 loads of 16 bytes a thread, 8 blocks an SM (the grid is one wave of them)
+            in_flight: 8 * 8 * 16 * THREADS as usize,
+            seconds: Vec::new(),
+        };
+        let (src, out) = (buf.ptr(), sink.ptr());
+        let result = (|| {
+            measure(ldg, &|| Op::Launch {
+                kernel: m.stream_ldg,
+                grid: [sms * 8, 1, 1],
+                block: THREADS,
+                smem: 0,
+                args: vec![src, (bytes / 16) as u64, out],
+            })?;
+            let Some((ring, max_smem)) = m.stream_ring else {
+                return Ok(());
+            };
+            for &unit in units {
+                for ppw in 1..=MAX_PPW {
+                    let smem = WARPS * ppw * unit;
+                    if smem > max_smem as usize {
+                        break;
+                    }
+                    for copies in [1usize, 2] {
+                        let p = StreamPoint {
+                            path: "ring",
+                            unit,
+                            pages: ppw,
+                            copies,
+                            in_flight: smem,
+                            seconds: Vec::new(),
+                        };
+                        measure(p, &|| Op::Launch {
+                            kernel: ring,
+                            grid: [sms, 1, 1],
+                            block: THREADS,
+                            smem: smem as u32,
+                            args: vec![
+                                src,
+                                bytes as u64,
+                                unit as u64,
+                                ppw as u64,
+                                copies as u64,
+                                out,
+                            ],
+                        })?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        inner.queue().timing = false;
+        result.map(|()| points)
+    }
+}

@@ -1,0 +1,66 @@
+// Read-rate probes for `deepinfer bench stream` (host/src/backend/cuda/stream.rs): one launch
+// reads a buffer several times the L2's size by one of the paths the weight streams take, so
+// the rate each path reaches (and, for the rings, what page size and depth it needs) is
+// measured apart from any product. Each block reads a contiguous share; what is read is folded
+// into a value that is stored only if it equals a constant no real buffer gives, so the reads
+// cannot be dropped.
+
+#define STREAM_THREADS 256
+#define STREAM_MAXP 64  // most ring pages a block (8 warps x at most 8)
+
+// 16-byte loads into registers (`ld_stream16`, as the block GEMVs read weights), 8 in flight a
+// thread before any is used.
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const uint4* src, long n16, unsigned* sink) {
+    const long c0 = n16 * blockIdx.x / gridDim.x, c1 = n16 * (blockIdx.x + 1) / gridDim.x;
+    unsigned acc = 0;
+    for (long c = c0 + threadIdx.x; c < c1; c += 8L * STREAM_THREADS) {
+        uint4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const long e = c + (long)k * STREAM_THREADS;
+            v[k] = e < c1 ? ld_stream16(src + e) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// Bulk copies into rings of shared-memory pages, as `moe_ffn1` streams its units: each of the
+// 8 warps owns `ppw` pages of `unit` bytes, takes the block's units w, w + 8, ... and its lane
+// 0 asks for unit i + ppw into the page unit i leaves, once the warp has read a word of each
+// lane from it (sm_90+). `copies` pieces a page (1 or 2: a unit as one copy or as two halves,
+// as a gate/up unit is a gate row and an up row).
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
+    stream_ring(const u8* src, long bytes, int unit, int ppw, int copies, unsigned* sink) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 stream_smem[];
+    __shared__ __align__(8) u64 bars[STREAM_MAXP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    const long n = bytes / unit, u0 = n * b / G, nu = n * (b + 1) / G - u0;
+    const u32 ring = (u32)__cvta_generic_to_shared(stream_smem), bar0 = (u32)__cvta_generic_to_shared(bars);
+    if (threadIdx.x == 0) {
+        for (int p = 0; p < 8 * ppw; p++) mbar_init(bar0 + 8 * p, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const long mine = nu > warp ? (nu - warp + 7) / 8 : 0;
+    const u32 piece = (u32)(unit / copies);
+    auto issue = [&](long i) {
+        const int pg = warp * ppw + (int)(i % ppw);
+        const u8* s = src + (u0 + warp + 8 * i) * unit;
+        page_fill(ring + (u32)pg * (u32)unit, bar0 + 8 * pg, piece, copies, s, s + piece);
+    };
+    if (lane == 0)
+        for (long i = 0; i < ppw && i < mine; i++) issue(i);
+    unsigned acc = 0;
+    for (long i = 0; i < mine; i++) {
+        const int pg = warp * ppw + (int)(i % ppw);
+        mbar_wait(bar0 + 8 * pg, (u32)((i / ppw) & 1));
+        acc ^= *reinterpret_cast<const unsigned*>(stream_smem + (long)pg * unit + lane * 4);
+        __syncwarp();
+        if (lane == 0 && i + ppw < mine) issue(i + ppw);
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+#endif
+}
