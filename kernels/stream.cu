@@ -26,40 +26,59 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const ui
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// Bulk copies into rings of shared-memory pages, as `moe_ffn1` streams its units: each of the
-// 8 warps owns `ppw` pages of `unit` bytes, takes the block's units w, w + 8, ... and its lane
-// 0 asks for unit i + ppw into the page unit i leaves, once the warp has read a word of each
-// lane from it (sm_90+). `copies` pieces a page (1 or 2: a unit as one copy or as two halves,
-// as a gate/up unit is a gate row and an up row).
+// Rings of shared-memory pages, as `moe_ffn1` streams its units: each of the 8 warps owns
+// `ppw` pages of `unit` bytes, takes the block's units w, w + 8, ... and asks for unit i + ppw
+// into the page unit i leaves once every lane has read a word of it (sm_90+). How a page is
+// filled (`mode`): 0, one bulk copy by lane 0 (`cp.async.bulk`, the copy engine); 1, two bulk
+// copies of a half each (as a gate/up unit is a gate row and an up row); 2, the first half by
+// a bulk copy and the second by the warp's lanes, 16-byte `cp.async` copies (the load path)
+// completing on the same barrier; 3, all of it by the lanes' `cp.async` copies.
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
-    stream_ring(const u8* src, long bytes, int unit, int ppw, int copies, unsigned* sink) {
+    stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 stream_smem[];
     __shared__ __align__(8) u64 bars[STREAM_MAXP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
     const long n = bytes / unit, u0 = n * b / G, nu = n * (b + 1) / G - u0;
     const u32 ring = (u32)__cvta_generic_to_shared(stream_smem), bar0 = (u32)__cvta_generic_to_shared(bars);
+    // bytes by bulk copies, the rest by the lanes
+    const u32 bulk = mode == 3 ? 0u : mode == 2 ? (u32)unit / 2 : (u32)unit;
+    // a page's phase waits for lane 0's arrival and, where the lanes copy, each lane's
     if (threadIdx.x == 0) {
-        for (int p = 0; p < 8 * ppw; p++) mbar_init(bar0 + 8 * p, 1);
+        for (int p = 0; p < 8 * ppw; p++) mbar_init(bar0 + 8 * p, bulk < (u32)unit ? 33 : 1);
         mbar_init_fence();
     }
     __syncthreads();
     const long mine = nu > warp ? (nu - warp + 7) / 8 : 0;
-    const u32 piece = (u32)(unit / copies);
+    // the whole warp: each lane's copies arrive on the barrier once they land, then lane 0
+    // arrives, telling the barrier the bulk bytes to wait for
     auto issue = [&](long i) {
         const int pg = warp * ppw + (int)(i % ppw);
         const u8* s = src + (u0 + warp + 8 * i) * unit;
-        page_fill(ring + (u32)pg * (u32)unit, bar0 + 8 * pg, piece, copies, s, s + piece);
+        const u32 dst = ring + (u32)pg * (u32)unit, bar = bar0 + 8 * pg;
+        if (bulk < (u32)unit) {
+            for (u32 o = bulk + 16u * lane; o < (u32)unit; o += 16u * 32u)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + o), "l"(s + o) : "memory");
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+        }
+        __syncwarp();
+        if (lane != 0) return;
+        if (bulk == 0) {
+            mbar_arrive(bar);
+        } else if (mode == 1) {
+            page_fill(dst, bar, bulk / 2, 2, s, s + bulk / 2);
+        } else {
+            page_fill(dst, bar, bulk, 1, s);
+        }
     };
-    if (lane == 0)
-        for (long i = 0; i < ppw && i < mine; i++) issue(i);
+    for (long i = 0; i < ppw && i < mine; i++) issue(i);
     unsigned acc = 0;
     for (long i = 0; i < mine; i++) {
         const int pg = warp * ppw + (int)(i % ppw);
         mbar_wait(bar0 + 8 * pg, (u32)((i / ppw) & 1));
         acc ^= *reinterpret_cast<const unsigned*>(stream_smem + (long)pg * unit + lane * 4);
         __syncwarp();
-        if (lane == 0 && i + ppw < mine) issue(i + ppw);
+        if (i + ppw < mine) issue(i + ppw);
     }
     if (acc == 0x9e3779b9u) sink[0] = acc;
 #endif

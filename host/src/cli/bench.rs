@@ -73,8 +73,9 @@ pub enum BenchMode {
     /// token, exposed CPU time per decode step (CPU; records as JSON lines).
     Offline(super::bench_offline::OfflineArgs),
     /// The device's read rate by each path the CUDA kernels stream weights with: 16-byte
-    /// loads into registers, and bulk copies into rings of shared-memory pages of each size,
-    /// 1 to 8 pages a warp (CUDA; one line a path, JSON records with --output).
+    /// loads into registers, and rings of shared-memory pages of each size, 1 to 8 a warp,
+    /// filled by bulk copies, the lanes' `cp.async` copies or both (CUDA; one line a path,
+    /// JSON records with --output).
     Stream {
         /// Bytes read a launch, MiB (several times the L2's size).
         #[arg(long, default_value_t = 1024)]
@@ -395,15 +396,16 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
         "{device}: {mib} MiB a launch, median of {} launches",
         a.repeats
     );
-    println!("path  page_kib  pages/warp  copies  in_flight_kib/SM   TB/s");
+    println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s");
     for p in &points {
         let rate = p.median_rate(bytes) / 1e12;
+        let fill = ["bulk", "bulk2", "mixed", "lanes"][p.mode.min(3)];
         println!(
-            "{:<5} {:>8} {:>11} {:>7} {:>17} {:>7.3}",
+            "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3}",
             p.path,
             p.unit / 1024,
             p.pages,
-            p.copies,
+            if p.path == "ring" { fill } else { "-" },
             p.in_flight / 1024,
             rate
         );
@@ -415,7 +417,7 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
                 "path": p.path,
                 "page_bytes": p.unit,
                 "pages_per_warp": p.pages,
-                "copies": p.copies,
+                "fill": fill,
                 "in_flight_bytes": p.in_flight,
                 "bytes": bytes,
                 "raw_s": p.seconds,

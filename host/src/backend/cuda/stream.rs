@@ -1,8 +1,9 @@
 //! `deepinfer bench stream`: the rate at which one launch reads a buffer several times the
 //! L2's size by each path the weight streams take (`kernels/stream.cu`): 16-byte loads into
-//! registers, and bulk copies into rings of shared-memory pages of several sizes and depths,
-//! as `moe_ffn1` streams its units. The ceiling each path reaches on the machine is what the
-//! kernels' phases are measured against (doc/benchmarks.md).
+//! registers, and rings of shared-memory pages of several sizes and depths filled by bulk
+//! copies (as `moe_ffn1` streams its units), by the lanes' `cp.async` copies, or both. The
+//! ceiling each path reaches on the machine is what the kernels' phases are measured against
+//! (doc/benchmarks.md).
 
 use super::queue::Op;
 use super::CudaBackend;
@@ -18,14 +19,16 @@ const MAX_PPW: usize = 8;
 /// One path's measured rate.
 #[derive(Debug, Clone)]
 pub struct StreamPoint {
-    /// `ldg` (registers) or `ring` (bulk copies into shared memory).
+    /// `ldg` (registers) or `ring` (pages of shared memory).
     pub path: &'static str,
     /// Bytes a ring page (0 for `ldg`).
     pub unit: usize,
     /// Ring pages a warp (0 for `ldg`).
     pub pages: usize,
-    /// Bulk copies a page (a unit as one copy or as halves).
-    pub copies: usize,
+    /// How a ring page is filled (`kernels/stream.cu`): 0, one bulk copy; 1, two bulk
+    /// copies of a half; 2, a half by a bulk copy and a half by the warp's lanes' `cp.async`
+    /// copies; 3, all by the lanes' `cp.async` copies.
+    pub mode: usize,
     /// Bytes an SM has asked for and not yet read, at most (the ring's size; `ldg`: 8 loads
     /// of 16 bytes a thread of 8 blocks).
     pub in_flight: usize,
@@ -50,7 +53,8 @@ impl StreamPoint {
 impl CudaBackend {
     /// Reads `bytes` of device memory `repeats` times (after one unmeasured launch) by each
     /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
-    /// pages, 1 to 8 a warp where they fit in shared memory, each unit as one copy and as two.
+    /// pages, 1 to 8 a warp where they fit in shared memory, each page filled four ways (bulk
+    /// copies whole or by halves, half bulk and half by the lanes' `cp.async`, all by the lanes).
     pub fn stream_probe(
         &self,
         bytes: usize,
@@ -98,7 +102,7 @@ impl CudaBackend {
             path: "ldg",
             unit: 0,
             pages: 0,
-            copies: 0,
+            mode: 0,
             // 8 loads of 16 bytes a thread, 8 blocks an SM (the grid is one wave of them)
             in_flight: 8 * 8 * 16 * THREADS as usize,
             seconds: Vec::new(),
@@ -121,12 +125,12 @@ impl CudaBackend {
                     if smem > max_smem as usize {
                         break;
                     }
-                    for copies in [1usize, 2] {
+                    for mode in 0..4usize {
                         let p = StreamPoint {
                             path: "ring",
                             unit,
                             pages: ppw,
-                            copies,
+                            mode,
                             in_flight: smem,
                             seconds: Vec::new(),
                         };
@@ -140,7 +144,7 @@ impl CudaBackend {
                                 bytes as u64,
                                 unit as u64,
                                 ppw as u64,
-                                copies as u64,
+                                mode as u64,
                                 out,
                             ],
                         })?;
