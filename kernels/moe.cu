@@ -1604,6 +1604,21 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
     moe_tok1_pre(t, gain, ptrs, bias, E, mine);
 }
 
+// MOEF_X_MIXED (compile-time, off; a draft not yet run): a gate/up unit's gate row by a bulk
+// copy (lane 0, the copy engine) and its up row by the warp's lanes, 16-byte `cp.async` copies
+// (the load path), both completing on the page's barrier: if one SM's copy engine bounds the
+// rings (`deepinfer bench stream`), the load path carries half the bytes beside it. Every lane
+// then takes part in asking for each unit and arrives on its page's barrier
+// (`cp.async.mbarrier.arrive.noinc`: once its earlier copies have landed), lane 0 last, with
+// the bulk bytes to wait for; the values are the default's.
+#ifdef MOEF_X_MIXED
+#define MOEF_ISSUER true
+#define MOEF_ARRIVALS 33
+#else
+#define MOEF_ISSUER (lane == 0)
+#define MOEF_ARRIVALS 1
+#endif
+
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
@@ -1661,7 +1676,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // gate/up unit u goes to warp u % 8 (its (u / 8)-th); down row pair p to warp p % 8, whose
     // units carry on from its gate/up ones
     if (tid == 0) {
-        for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, 1);
+        for (int p = 0; p < np; p++) mbar_init(full0 + 8 * p, MOEF_ARRIVALS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -1674,18 +1689,38 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     int issued = 0;
     // page pg filled with `bytes` from p0 and, when `two`, as many from p1 after them (the
     // warp's reads of the page's last unit before the copy's writes)
-    auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes) {
+    // (MOEF_X_MIXED, `lanes`: p1's bytes by the lanes' copies instead)
+    auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes, bool lanes) {
+#ifdef MOEF_X_MIXED
+        const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
+        if (lanes)
+            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u) {
+                const u8* src = reinterpret_cast<const u8*>(p1) + o;
+#ifdef DI_EVICT_FIRST
+                asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst + bytes + o),
+                             "l"(src), "l"(l2_evict_first())
+                             : "memory");
+#else
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + bytes + o), "l"(src) : "memory");
+#endif
+            }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+        __syncwarp();
+        if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
+#else
         page_fill(ring + (u32)(pg * page), full0 + 8 * pg, bytes, two ? 2 : 1, p0, p1);
+#endif
     };
-    // this warp's ia-th unit into its page (lane 0; units reading the picked experts only once
-    // the routing is done): ia counts from the product before the layer's units, i after them
+    // this warp's ia-th unit into its page (lane 0, every lane with MOEF_X_MIXED; units reading
+    // the picked experts only once the routing is done): ia counts from the product before the
+    // layer's units, i after them
     auto issue = [&](int ia) {
         const int pg = warp * ppw + ia % ppw;
         if (ia < my_no) {
             // rows 2 t and 2 t + 1 of this block's share of the product before the layer
             const int t = warp + MOEF_WARPS * ia, g = o0 + 2 * t;
             const long ob = (long)ok * 2;
-            fill(pg, ow + g * ob, ow + (g + 1) * ob, 2 * t + 1 < no, (u32)ob);
+            fill(pg, ow + g * ob, ow + (g + 1) * ob, 2 * t + 1 < no, (u32)ob, false);
             return;
         }
         const int i = ia - my_no;
@@ -1701,7 +1736,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             qrow(g, w0, y, r);
             const bool two = 2 * t + 1 < nq;
             if (two) qrow(g + 1, w1, y, r);
-            fill(pg, w0, w1, two, bytes);
+            fill(pg, w0, w1, two, bytes, false);
             return;
         }
         if (i < my_ng && u < nsh) {
@@ -1718,7 +1753,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
-        fill(pg, p0, p1, true, bytes);
+        fill(pg, p0, p1, true, bytes, i < my_ng);
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
@@ -1732,7 +1767,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const bool mine = tid < nch;
     uint4 graw[1][2];
     MoeTok1 t;
-    if (lane == 0)
+    if (MOEF_ISSUER)
         while (issued < ppw && early(issued)) issue(issued++);
     moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
     pdl_wait();
@@ -1753,7 +1788,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             }
             __syncwarp();
             // the page it leaves takes the next unit unless that one waits for the routing
-            if (lane == 0 && issued < my_units && early(issued)) issue(issued++);
+            if (MOEF_ISSUER && issued < my_units && early(issued)) issue(issued++);
             if (lane == 0)
                 for (int rr = 0; rr < 2 && 2 * tt + rr < no; rr++) {
                     const long r = o0 + 2 * tt + rr;
@@ -1793,7 +1828,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     __syncthreads();
     di_trace_phase(1);
     // the pages left free: the warp has read its units of the product before the layer
-    if (lane == 0)
+    if (MOEF_ISSUER)
         while (issued < my_no + ppw && issued < my_units) issue(issued++);
     // gate/up: unit u by warp u % 8
     for (int u = warp; u < ngu; u += MOEF_WARPS) {
@@ -1812,7 +1847,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         moef_gu_partials(a, e, wg, wu, hr, nch);
 #endif
         __syncwarp();
-        if (lane == 0 && issued < my_units) issue(issued++);
+        if (MOEF_ISSUER && issued < my_units) issue(issued++);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
@@ -1868,7 +1903,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #ifdef DI_X_NOCOMPUTE
             if (w0 != nullptr) {
                 __syncwarp();
-                if (lane == 0 && issued < my_units) issue(issued++);
+                if (MOEF_ISSUER && issued < my_units) issue(issued++);
                 continue;
             }
 #endif
@@ -1889,7 +1924,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 }
             }
             __syncwarp();
-            if (lane == 0 && issued < my_units) issue(issued++);
+            if (MOEF_ISSUER && issued < my_units) issue(issued++);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1940,7 +1975,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 acc[rr] = warp_sum(staged_dot(wrow, hs, nch, lane));
             }
             __syncwarp();
-            if (lane == 0 && issued < my_units) issue(issued++);
+            if (MOEF_ISSUER && issued < my_units) issue(issued++);
             if (lane == 0)
                 for (int rr = 0; rr < 2 && 2 * t + rr < nq; rr++) {
                     const u8* w;
