@@ -1610,7 +1610,8 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 // rings (`deepinfer bench stream`), the load path carries half the bytes beside it. Every lane
 // then takes part in asking for each unit and arrives on its page's barrier
 // (`cp.async.mbarrier.arrive.noinc`: once its earlier copies have landed), lane 0 last, with
-// the bulk bytes to wait for; the values are the default's.
+// the bulk bytes to wait for; the values are the default's. MOEF_X_MIXED=2: the down units'
+// second rows by the lanes too.
 #ifdef MOEF_X_MIXED
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
@@ -1753,7 +1754,11 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
+#if defined(MOEF_X_MIXED) && MOEF_X_MIXED >= 2
+        fill(pg, p0, p1, true, bytes, true);  // (the down units' second rows by the lanes too)
+#else
         fill(pg, p0, p1, true, bytes, i < my_ng);
+#endif
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
