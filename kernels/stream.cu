@@ -32,7 +32,9 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const ui
 // filled (`mode`): 0, one bulk copy by lane 0 (`cp.async.bulk`, the copy engine); 1, two bulk
 // copies of a half each (as a gate/up unit is a gate row and an up row); 2, the first half by
 // a bulk copy and the second by the warp's lanes, 16-byte `cp.async` copies (the load path)
-// completing on the same barrier; 3, all of it by the lanes' `cp.async` copies.
+// completing on the same barrier; 3, all of it by the lanes' `cp.async` copies; 4, two bulk
+// copies of a half, from the two halves of the buffer (as a gate/up unit's gate row and up row
+// come from two matrices).
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -54,7 +56,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     // arrives, telling the barrier the bulk bytes to wait for
     auto issue = [&](long i) {
         const int pg = warp * ppw + (int)(i % ppw);
-        const u8* s = src + (u0 + warp + 8 * i) * unit;
+        const long u = u0 + warp + 8 * i;
+        const u8* s = src + u * unit;
         const u32 dst = ring + (u32)pg * (u32)unit, bar = bar0 + 8 * pg;
         if (bulk < (u32)unit) {
             for (u32 o = bulk + 16u * lane; o < (u32)unit; o += 16u * 32u)
@@ -67,6 +70,10 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
             mbar_arrive(bar);
         } else if (mode == 1) {
             page_fill(dst, bar, bulk / 2, 2, s, s + bulk / 2);
+        } else if (mode == 4) {
+            // unit u's halves: half-unit u of the buffer's first half and of its second
+            const long h = (long)unit / 2, half = n * h;
+            page_fill(dst, bar, (u32)h, 2, src + u * h, src + half + u * h);
         } else {
             page_fill(dst, bar, bulk, 1, s);
         }

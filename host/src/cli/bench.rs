@@ -74,8 +74,8 @@ pub enum BenchMode {
     Offline(super::bench_offline::OfflineArgs),
     /// The device's read rate by each path the CUDA kernels stream weights with: 16-byte
     /// loads into registers, and rings of shared-memory pages of each size, 1 to 8 a warp,
-    /// filled by bulk copies, the lanes' `cp.async` copies or both (CUDA; one line a path,
-    /// JSON records with --output).
+    /// filled by bulk copies (whole, by halves, or by halves from two places), the lanes'
+    /// `cp.async` copies or both (CUDA; one line a path, JSON records with --output).
     Stream {
         /// Bytes read a launch, MiB (several times the L2's size).
         #[arg(long, default_value_t = 1024)]
@@ -399,7 +399,10 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
     println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s");
     for p in &points {
         let rate = p.median_rate(bytes) / 1e12;
-        let fill = ["bulk", "bulk2", "mixed", "lanes"][p.mode.min(3)];
+        let fill = crate::backend::cuda::STREAM_FILLS
+            .get(p.mode)
+            .copied()
+            .unwrap_or("?");
         println!(
             "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3}",
             p.path,

@@ -42,7 +42,7 @@ use queue::{Op, Queue};
 pub use mla::CudaMlaKv;
 pub use queue::QueueStats;
 pub use step::{bucket, CudaStep};
-pub use stream::StreamPoint;
+pub use stream::{StreamPoint, FILLS as STREAM_FILLS};
 pub use weights::{CudaKv, CudaWeight};
 
 /// Element type of activations on the device.

@@ -15,6 +15,8 @@ const THREADS: u32 = 256;
 const WARPS: usize = 8;
 /// Most ring pages a warp (`STREAM_MAXP` / 8).
 const MAX_PPW: usize = 8;
+/// How a ring page is filled, by [`StreamPoint::mode`].
+pub const FILLS: [&str; 5] = ["bulk", "bulk2", "mixed", "lanes", "split"];
 
 /// One path's measured rate.
 #[derive(Debug, Clone)]
@@ -27,7 +29,8 @@ pub struct StreamPoint {
     pub pages: usize,
     /// How a ring page is filled (`kernels/stream.cu`): 0, one bulk copy; 1, two bulk
     /// copies of a half; 2, a half by a bulk copy and a half by the warp's lanes' `cp.async`
-    /// copies; 3, all by the lanes' `cp.async` copies.
+    /// copies; 3, all by the lanes' `cp.async` copies; 4, two bulk copies of a half from the
+    /// buffer's two halves (a gate row and an up row from two matrices).
     pub mode: usize,
     /// Bytes an SM has asked for and not yet read, at most (the ring's size; `ldg`: 8 loads
     /// of 16 bytes a thread of 8 blocks).
@@ -53,8 +56,8 @@ impl StreamPoint {
 impl CudaBackend {
     /// Reads `bytes` of device memory `repeats` times (after one unmeasured launch) by each
     /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
-    /// pages, 1 to 8 a warp where they fit in shared memory, each page filled four ways (bulk
-    /// copies whole or by halves, half bulk and half by the lanes' `cp.async`, all by the lanes).
+    /// pages, 1 to 8 a warp where they fit in shared memory, each page filled each of the
+    /// [`FILLS`] ways.
     pub fn stream_probe(
         &self,
         bytes: usize,
@@ -125,7 +128,7 @@ impl CudaBackend {
                     if smem > max_smem as usize {
                         break;
                     }
-                    for mode in 0..4usize {
+                    for mode in 0..FILLS.len() {
                         let p = StreamPoint {
                             path: "ring",
                             unit,
