@@ -330,20 +330,18 @@ __device__ __forceinline__ void cp_async16_w(void* dst, const void* src, bool va
 }
 
 // Asks the L2 cache to fetch `bytes` (a multiple of 16) from `src` (16-byte aligned); no
-// completion to wait for (sm_90+).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes) {
+// completion to wait for (sm_90+). `keep`: the lines marked evict_last, kept before others
+// when L2 must evict, for bytes asked for well before a stream of evict-first weights passes.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, unsigned bytes, bool keep = false) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-// The same with the lines kept before others when L2 must evict (evict_last), for bytes asked
-// for well before a stream of evict-first weights passes through.
-__device__ __forceinline__ void prefetch_l2_bulk_last(const void* src, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    u64 p;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(p)
-                 : "memory");
+    if (keep) {
+        u64 p;
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(src), "r"(bytes), "l"(p)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+    }
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
@@ -376,6 +374,11 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
 }
 __device__ __forceinline__ void mbar_arrive(u32 a) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+// Arrives once this thread's earlier `cp.async` copies have landed (counted in the barrier's
+// expected arrivals: `noinc`).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 a) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(a) : "memory");
 }
 // Arrives and adds `bytes` to the transfers the barrier's phase waits for.
 __device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 bytes) {

@@ -1695,17 +1695,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #ifdef MOEF_X_MIXED
         const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
         if (lanes)
-            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u) {
-                const u8* src = reinterpret_cast<const u8*>(p1) + o;
-#ifdef DI_EVICT_FIRST
-                asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst + bytes + o),
-                             "l"(src), "l"(l2_evict_first())
-                             : "memory");
-#else
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + bytes + o), "l"(src) : "memory");
-#endif
-            }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u)
+                cp_async16_w(moef_smem + (long)pg * page + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
+        mbar_arrive_cp_async(bar);
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
 #else
@@ -1818,11 +1810,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
         const long n = 2L * nrp * ush * 2;
         for (long o = (long)lane << 12; o < n; o += 32L << 12) {
-            const unsigned m = (unsigned)min(4096L, n - o);
-            if (l2f == 2)
-                prefetch_l2_bulk_last(p + o, m);
-            else
-                prefetch_l2_bulk(p + o, m);
+            prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
         }
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,

@@ -61,8 +61,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
         const u32 dst = ring + (u32)pg * (u32)unit, bar = bar0 + 8 * pg;
         if (bulk < (u32)unit) {
             for (u32 o = bulk + 16u * lane; o < (u32)unit; o += 16u * 32u)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + o), "l"(s + o) : "memory");
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+                cp_async16(stream_smem + (long)pg * unit + o, s + o, true);
+            mbar_arrive_cp_async(bar);
         }
         __syncwarp();
         if (lane != 0) return;

@@ -398,7 +398,8 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
     );
     println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s");
     for p in &points {
-        let rate = p.median_rate(bytes) / 1e12;
+        // TB/s of the median launch
+        let rate = Summary::of(&p.seconds).map_or(0.0, |t| bytes as f64 / t.median / 1e12);
         let fill = crate::backend::cuda::STREAM_FILLS
             .get(p.mode)
             .copied()

@@ -39,20 +39,6 @@ pub struct StreamPoint {
     pub seconds: Vec<f64>,
 }
 
-impl StreamPoint {
-    /// The median launch's rate, bytes a second over `bytes`.
-    pub fn median_rate(&self, bytes: usize) -> f64 {
-        let mut s = self.seconds.clone();
-        s.sort_by(f64::total_cmp);
-        let m = match s.len() {
-            0 => return 0.0,
-            n if n % 2 == 1 => s[n / 2],
-            n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-        };
-        bytes as f64 / m
-    }
-}
-
 impl CudaBackend {
     /// Reads `bytes` of device memory `repeats` times (after one unmeasured launch) by each
     /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
@@ -85,8 +71,7 @@ impl CudaBackend {
         let mut points = Vec::new();
         inner.flush()?;
         inner.sync()?;
-        let mut measure = |p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
-            let mut p = p;
+        let mut measure = |mut p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
             for r in 0..=repeats {
                 let before = inner.queue().stats.device_s;
                 inner.push(op());
