@@ -1458,9 +1458,10 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
 // (bf16 weights and activations) in one launch of a block an SM, every block resident at once
 // (the host checks), so the phases meet at grid-wide counters instead of kernel boundaries
 // and the weights never stop streaming: each of a block's eight warps owns a ring of
-// shared-memory pages and copies its own units of weights into them by bulk copies (the
-// tensor-copy engine, completing on the page's mbarrier), asking for its next unit into the
-// page it has just used, so a warp's copies never wait behind another warp's work:
+// shared-memory pages and copies its own units of weights into them (a bulk copy and the
+// lanes' copies, completing on the page's mbarrier: "How a warp fills its pages" below),
+// asking for its next unit into the page it has just used, so a warp's copies never wait
+// behind another warp's work:
 //   1. (before the programmatic wait) each warp asks for its first units that are shared
 //      experts' gate/up rows, which need no routing, and loads its block's router row;
 //   2. every block normalizes the token (the RMSNorm before the layer, when folded in) and
@@ -1604,20 +1605,29 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
     moe_tok1_pre(t, gain, ptrs, bias, E, mine);
 }
 
-// MOEF_X_MIXED (compile-time, off; a draft not yet run): a gate/up unit's gate row by a bulk
-// copy (lane 0, the copy engine) and its up row by the warp's lanes, 16-byte `cp.async` copies
-// (the load path), both completing on the page's barrier: if one SM's copy engine bounds the
-// rings (`deepinfer bench stream`), the load path carries half the bytes beside it. Every lane
-// then takes part in asking for each unit and arrives on its page's barrier
+// How a warp fills its pages (session 29): a gate/up unit's gate row and a down unit's first
+// row by a bulk copy (lane 0, the copy engine), the unit's second row by the warp's lanes,
+// 16-byte `cp.async` copies (the load path), both completing on the page's barrier: every lane
+// takes part in asking for each unit and arrives on its page's barrier
 // (`cp.async.mbarrier.arrive.noinc`: once its earlier copies have landed), lane 0 last, with
-// the bulk bytes to wait for; the values are the default's. MOEF_X_MIXED=2: the down units'
-// second rows by the lanes too.
-#ifdef MOEF_X_MIXED
-#define MOEF_ISSUER true
-#define MOEF_ARRIVALS 33
-#else
+// the bulk bytes to wait for (33 arrivals a phase). 1.013x on the Moonlight step against every
+// row by bulk copies (H100, doc/benchmarks.md, session 29), though a bare ring of bulk copies
+// streams as fast as one of the lanes' copies (`deepinfer bench stream`). The values are the
+// same either way. Compile-time choices for measuring: MOEF_X_BULK, every row by bulk copies
+// (lane 0 alone asking, one arrival a phase; the kernel before session 29); MOEF_X_LANES (a
+// draft), both rows by the lanes.
+#ifdef MOEF_X_BULK
+#define MOEF_LANES 0
 #define MOEF_ISSUER (lane == 0)
 #define MOEF_ARRIVALS 1
+#else
+#ifdef MOEF_X_LANES
+#define MOEF_LANES 2
+#else
+#define MOEF_LANES 1
+#endif
+#define MOEF_ISSUER true
+#define MOEF_ARRIVALS 33
 #endif
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
@@ -1689,22 +1699,30 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const int my_units = my_no + my_gd + share(nqu, warp);
     int issued = 0;
     // page pg filled with `bytes` from p0 and, when `two`, as many from p1 after them (the
-    // warp's reads of the page's last unit before the copy's writes)
-    // (MOEF_X_MIXED, `lanes`: p1's bytes by the lanes' copies instead)
+    // warp's reads of the page's last unit before the copy's writes); `lanes`: p1's bytes (with
+    // MOEF_X_LANES p0's too) by the lanes' copies
     auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes, bool lanes) {
-#ifdef MOEF_X_MIXED
         const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
-        if (lanes)
-            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u)
-                cp_async16_w(moef_smem + (long)pg * page + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
+        if (MOEF_LANES == 0) {
+            page_fill(dst, bar, bytes, two ? 2 : 1, p0, p1);
+            return;
+        }
+        u8* pb = moef_smem + (long)pg * page;
+        if (lanes) {
+            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u) {
+                cp_async16_w(pb + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
+                if (MOEF_LANES == 2) cp_async16_w(pb + o, reinterpret_cast<const u8*>(p0) + o, true);
+            }
+        }
         mbar_arrive_cp_async(bar);
         __syncwarp();
-        if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
-#else
-        page_fill(ring + (u32)(pg * page), full0 + 8 * pg, bytes, two ? 2 : 1, p0, p1);
-#endif
+        if (lane != 0) return;
+        if (MOEF_LANES == 2 && lanes)
+            mbar_arrive(bar);
+        else
+            page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
     };
-    // this warp's ia-th unit into its page (lane 0, every lane with MOEF_X_MIXED; units reading
+    // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
     // layer's units, i after them
     auto issue = [&](int ia) {
@@ -1746,11 +1764,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
-#if defined(MOEF_X_MIXED) && MOEF_X_MIXED >= 2
-        fill(pg, p0, p1, true, bytes, true);  // (the down units' second rows by the lanes too)
-#else
-        fill(pg, p0, p1, true, bytes, i < my_ng);
-#endif
+        fill(pg, p0, p1, true, bytes, true);
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done

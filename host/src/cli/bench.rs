@@ -400,16 +400,20 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
     for p in &points {
         // TB/s of the median launch
         let rate = Summary::of(&p.seconds).map_or(0.0, |t| bytes as f64 / t.median / 1e12);
-        let fill = crate::backend::cuda::STREAM_FILLS
-            .get(p.mode)
-            .copied()
-            .unwrap_or("?");
+        // (register loads fill no pages)
+        let fill = match p.path {
+            "ring" => crate::backend::cuda::STREAM_FILLS
+                .get(p.mode)
+                .copied()
+                .unwrap_or("?"),
+            _ => "-",
+        };
         println!(
             "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3}",
             p.path,
             p.unit / 1024,
             p.pages,
-            if p.path == "ring" { fill } else { "-" },
+            fill,
             p.in_flight / 1024,
             rate
         );
