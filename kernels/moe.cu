@@ -1486,7 +1486,8 @@ __device__ void moe_route1_impl(u64* slot_ptr, int* slot_cnt, int* slot_tok, flo
 //      it each block stages the product's input, takes its rows [o0, o0 + no), adds them into
 //      the residual stream and counts them (cnt[4]): the routing's norm reads the stream once
 //      all are counted;
-//   6. the last block out leaves the counters zeroed (cnt[2] counts the blocks done).
+//   6. the last block out leaves the counters zeroed (cnt[2] counts the blocks past their
+//      last wait).
 // Slots: the picked experts in id order [0, K), then the shared experts' `inter`-row slots.
 #define MOEF_WARPS 8                          // warps, each with its ring of pages
 #define MOEF_THREADS (32 * MOEF_WARPS)
@@ -1628,6 +1629,14 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #endif
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
+#endif
+// The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
+// its down rows' residual values loaded before their units, so its last warps wait for no
+// round trip; MOEF_X_LATE_END builds the end as before.
+#ifdef MOEF_X_LATE_END
+#define MOEF_EARLY_END false
+#else
+#define MOEF_EARLY_END true
 #endif
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
@@ -1877,7 +1886,14 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // every block's gate/up done
     __syncthreads();
     di_trace_phase(2);
-    if (tid == 0) grid_arrive_wait(&cnt[1], (u32)G);
+    // the block's arrival at the end (cnt[2]) counted right after its last wait, so no round
+    // trip is left for its end: the last block out zeroes the counters, none of which any
+    // block waits on by then (MOEF_X_LATE_END: counted at the end, as before session 29)
+    u32 out_before = 0;
+    if (tid == 0) {
+        grid_arrive_wait(&cnt[1], (u32)G);
+        if (MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
+    }
     __syncthreads();
     di_trace_phase(3);
     pdl_launch_dependents();
@@ -1898,6 +1914,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     __syncthreads();
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
+        // the pair's residual values, asked for now so the pair's end waits for no load
+        // (through L2: another block may have added the product before the layer; no block
+        // writes these rows after the grid's meeting but this warp)
+        float rv[2] = {0.0f, 0.0f};
+        if (MOEF_EARLY_END && lane == 0 && res != nullptr)
+            for (int i = 0; i < 2; i++) rv[i] = act_load_cg(res, 2L * (rp0 + p) + i);
         float acc[MOEF_MAXIJ][2];
 #pragma unroll
         for (int j = 0; j < MOEF_MAXIJ; j++) acc[j][0] = acc[j][1] = 0.0f;
@@ -1943,7 +1965,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 const long o = 2L * (rp0 + p) + i;
                 act_store(out, o, v);
                 // (through L2: another block may have added the product before the layer)
-                if (res != nullptr) act_store(res, o, act_load_cg(res, o) + act_round(out, v));
+                if (res != nullptr)
+                    act_store(res, o, (MOEF_EARLY_END ? rv[i] : act_load_cg(res, o)) + act_round(out, v));
             }
         }
     }
@@ -1960,7 +1983,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // rows are counted (cnt[3]), each block normalizes the whole row and takes its rows
         // from the pages they were copied into while the down units ran
         __syncthreads();
-        if (tid == 0) grid_arrive_wait(&cnt[3], (u32)G);
+        if (tid == 0) {
+            grid_arrive_wait(&cnt[3], (u32)G);
+            if (MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
+        }
         __syncthreads();
         di_trace_phase(5);
         // (through L2: other blocks of this grid wrote the stream)
@@ -1995,7 +2021,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         di_trace_phase(6);
     }
     // the last block out leaves the counters zeroed for the next launch
-    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
+    if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
+    if (tid == 0 && out_before == (u32)G - 1) {
         cnt[0] = 0;
         cnt[1] = 0;
         cnt[2] = 0;
