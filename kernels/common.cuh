@@ -143,6 +143,31 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     }
 }
 
+// A word another block of the grid writes once with a nonzero high half (its tag) and a value
+// in the low half: `st_relaxed_u64` writes it (one store, so the value comes with the tag, no
+// fence or counter), `wait_tagged` waits (when `valid`) until the tag is set and returns the
+// word, with wait_count's 5 s bound; the grid's last block clears the tags for the next launch.
+__device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ u64 wait_tagged(const u64* p, bool valid) {
+    u64 v = 0, t0 = 0;
+    if (!valid) return 0;
+    for (u32 k = 1;; k++) {
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+        if (v >> 32) return v;
+        __nanosleep(32);
+        if ((k & 4095) == 0) {
+            u64 t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            if (t0 == 0)
+                t0 = t;
+            else if (t - t0 > 5000000000ull)
+                __trap();
+        }
+    }
+}
+
 // One thread of each block of a grid (all resident) at a grid-wide meeting: the block's writes
 // made visible, its arrival counted at `c`, then the wait for all `n` blocks' arrivals.
 __device__ __forceinline__ void grid_arrive_wait(u32* c, u32 n) {

@@ -1531,13 +1531,18 @@ __device__ __forceinline__ void moef_gu_partials(float (&a)[MOEF_MAXJ], float (&
 // The routing of a one-token launch of a block an SM (moe_ffn1, moe_fk1), after the
 // programmatic wait: every block normalizes the token into `hs` (block b writing its share of
 // `hn`; `cg`: the stream read past L1, another block of the grid wrote it), block b < E
-// counts expert b's logit in cnt[0], `between()` runs while the other blocks' logits come in,
+// stores expert b's logit (`logits`: room for E u64 words, zeroed when made) and counts it in
+// cnt[0], `between()` runs while the other blocks' logits come in,
 // then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
 // same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
 // three tables) and `selw` (their weights); block 0 keeps the load counters.
+// (MOEF_X_TAGGED_LOGITS, a draft not yet run on a GPU: expert b's logit as one u64 word,
+// (1 << 32) | the f32's bits, stored relaxed, and warp 0 of every block polling the E words
+// until their tags are set, the launch's last block clearing them at its end: no fence, no
+// counter and no load after it, two round trips fewer on the routing's path.)
 template <typename F>
 __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)[1][2], const bf16_t* src,
-                                           bf16_t* hn, const float* gain, float eps, int gate_wt, float* logits,
+                                           bf16_t* hn, const float* gain, float eps, int gate_wt, u64* logits,
                                            u32* cnt, unsigned long long* totals, unsigned* last, int d, int E, int K,
                                            int score, int norm, float scaling, bool cg, float* hs, float* red,
                                            int* cid, float* cw, u64 (*sel)[3], float* selw, F between) {
@@ -1565,18 +1570,32 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
     if (b < E && tid == 0) {
         float v = 0.0f;
         for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
-        logits[b] = v;
+#ifdef MOEF_X_TAGGED_LOGITS
+        st_relaxed_u64(logits + b, (1ull << 32) | __float_as_uint(v));
+#else
+        reinterpret_cast<float*>(logits)[b] = v;
         __threadfence();
         atomicAdd(&cnt[0], 1u);
+#endif
     }
     di_trace_phase(0);
     between();
+#ifdef MOEF_X_TAGGED_LOGITS
+    __syncthreads();
+    if (warp == 0) {
+        const u64 w0 = wait_tagged(logits + lane, lane < E), w1 = wait_tagged(logits + lane + 32, lane + 32 < E);
+        const float v0 = lane < E ? __uint_as_float((u32)w0) : 0.0f, v1 = lane + 32 < E ? __uint_as_float((u32)w1) : 0.0f;
+        moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
+    }
+#else
     if (tid == 0) wait_count(&cnt[0], (u32)E);
     __syncthreads();
     if (warp == 0) {
-        const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
+        const float* lf = reinterpret_cast<const float*>(logits);
+        const float v0 = lane < E ? __ldcg(lf + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(lf + lane + 32) : 0.0f;
         moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
     }
+#endif
     __syncthreads();
     if (tid < E) {
         int s;
@@ -1641,7 +1660,7 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
-    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    u64* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* qw0, const u8* qw1, const u8* qw2, bf16_t* qy0, bf16_t* qy1, bf16_t* qy2, int qm0, int qm1,
@@ -2023,6 +2042,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
     if (tid == 0 && out_before == (u32)G - 1) {
+#ifdef MOEF_X_TAGGED_LOGITS
+        for (int e = 0; e < E; e++) logits[e] = 0ull;  // (the tags, for the next launch)
+#endif
         cnt[0] = 0;
         cnt[1] = 0;
         cnt[2] = 0;
@@ -2055,7 +2077,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, float* part,
-    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    u64* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_downt, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* l2_0, long l2_bytes0, const u8* l2_1, long l2_bytes1) {
@@ -2239,6 +2261,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     }
     di_trace_phase(4);
     if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
+#ifdef MOEF_X_TAGGED_LOGITS
+        for (int e = 0; e < E; e++) logits[e] = 0ull;  // (the tags, for the next launch)
+#endif
         cnt[0] = 0;
         cnt[1] = 0;
         cnt[2] = 0;

@@ -61,6 +61,10 @@ struct MoeDevice {
     /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s five (each left
     /// zeroed by every launch).
     counter: DevMem,
+    /// `moe_ffn1`'s / `moe_fk1`'s router logits, room for a u64 an expert, zeroed: f32s, or
+    /// with the kernels' `MOEF_X_TAGGED_LOGITS` draft a nonzero tag in each word's high half
+    /// and the f32's bits in its low half (the tags left cleared by every launch).
+    logit_tags: DevMem,
     /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
     /// type or width), else (slots, gate, up, down addresses; 0 slots without shared experts).
     dec_shared: Option<(usize, [u64; 3])>,
@@ -172,6 +176,8 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
     totals.zero(&inner.stream)?;
     let last = DevMem::alloc(&inner.ctx, e * 4)?;
     last.zero(&inner.stream)?;
+    let logit_tags = DevMem::alloc(&inner.ctx, e * 8)?;
+    logit_tags.zero(&inner.stream)?;
     Ok(MoeDevice {
         ptrs: upload(bytes_of(&ptrs, |p: u64| p.to_le_bytes().to_vec()))?,
         bias,
@@ -179,6 +185,7 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         last,
         wi,
         counter,
+        logit_tags,
         dec_shared,
         split,
     })
@@ -677,7 +684,6 @@ fn forward_decode(
         let rms = inner.module.act(act).rms_norm;
         norm = inner.queue().take_norm(rms, x.ptr(), d, n);
     }
-    let logits = inner.scratch(n * e, 4)?;
     let score = match cfg.score {
         ScoreFunc::Sigmoid => 0u64,
         ScoreFunc::Softmax => 1,
@@ -698,7 +704,7 @@ fn forward_decode(
                 gain,
                 eps,
                 buf,
-                logits.ptr(),
+                st.logit_tags.ptr,
                 st.counter.ptr + 4,
                 st.totals.ptr,
                 st.last.ptr,
@@ -756,6 +762,7 @@ fn forward_decode(
             return Ok(());
         }
     }
+    let logits = inner.scratch(n * e, 4)?;
     // the slot table the three launches pass on
     let slots = e.min(n * k);
     let slot_ptr = inner.scratch(slots * 3, 8)?;
