@@ -128,19 +128,22 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
 // does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
 // the wait would never end, so past 5 s it traps: the launch fails and the host reports the
 // error instead of hanging.
+// One pause of such a wait's k-th round (k from 1; t0 from 0) of about `ns` nanoseconds:
+// past 5 s of them it traps.
+__device__ __forceinline__ void wait_pause(u32 k, u64& t0, unsigned ns = 32) {
+    __nanosleep(ns);
+    if ((k & 4095) == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t0 == 0)
+            t0 = t;
+        else if (t - t0 > 5000000000ull)
+            __trap();
+    }
+}
 __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     u64 t0 = 0;
-    for (u32 k = 1; ld_acquire_u32(p) < n; k++) {
-        __nanosleep(32);
-        if ((k & 4095) == 0) {
-            u64 t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            if (t0 == 0)
-                t0 = t;
-            else if (t - t0 > 5000000000ull)
-                __trap();
-        }
-    }
+    for (u32 k = 1; ld_acquire_u32(p) < n; k++) wait_pause(k, t0);
 }
 
 // A word another block of the grid writes once with a nonzero high half (its tag) and a value
@@ -150,21 +153,25 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
 __device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_u32(u32* p, u32 v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Four words read together, each as one relaxed load (not the four as one).
+__device__ __forceinline__ uint4 ld_relaxed_v4(const u32* p) {
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
 __device__ __forceinline__ u64 wait_tagged(const u64* p, bool valid) {
     u64 v = 0, t0 = 0;
     if (!valid) return 0;
     for (u32 k = 1;; k++) {
         asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
         if (v >> 32) return v;
-        __nanosleep(32);
-        if ((k & 4095) == 0) {
-            u64 t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            if (t0 == 0)
-                t0 = t;
-            else if (t - t0 > 5000000000ull)
-                __trap();
-        }
+        wait_pause(k, t0);
     }
 }
 

@@ -1649,6 +1649,12 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
 #endif
+// MOEF_X_TAGGED_ACT (a draft, not yet run on a GPU): no grid-wide meeting between the gate/up
+// and down phases: each gate/up value is stored with a tag as one u32 word of `act` (0x10000 |
+// its bf16 bits; `act` is then the layer's zeroed buffer of S x inter words, its tags cleared
+// by the launch's last block), and every block copies the values into shared memory as they
+// come in, waiting for each word's tag instead of for a counter all blocks arrive at after a
+// fence: two round trips fewer between a block's last gate/up value and its down units.
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
 // round trip; MOEF_X_LATE_END builds the end as before.
@@ -1899,7 +1905,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         if (lane == 0) {
             const long j = u < nsh ? sh0 + u : rt0 + (u - nsh);
             const long s = u < nsh ? K + j / inter : j / inter;
+#ifdef MOEF_X_TAGGED_ACT
+            st_relaxed_u32(reinterpret_cast<u32*>(act) + s * inter + j % inter,
+                           0x10000u | f32_to_bf16(swiglu(gs, us)));
+#else
             act_store(act, s * inter + j % inter, swiglu(gs, us));
+#endif
         }
     }
     // every block's gate/up done
@@ -1909,6 +1920,38 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // trip is left for its end: the last block out zeroes the counters, none of which any
     // block waits on by then (MOEF_X_LATE_END: counted at the end, as before session 29)
     u32 out_before = 0;
+#ifdef MOEF_X_TAGGED_ACT
+    // act's values as they come in, each word with its tag (no grid-wide meeting: a block
+    // waits only for the values themselves), 8 groups of 4 in flight a thread
+    {
+        const int n4 = S * inter / 4;
+        const u32* aw = reinterpret_cast<const u32*>(act);
+        for (int g0 = tid; g0 < n4; g0 += 8 * 32 * MOEF_WARPS) {
+            uint4 v[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int g = g0 + k * 32 * MOEF_WARPS;
+                if (g < n4) v[k] = ld_relaxed_v4(aw + 4L * g);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int g = g0 + k * 32 * MOEF_WARPS;
+                if (g >= n4) continue;
+                u64 t0 = 0;
+                for (u32 r = 1; !((v[k].x >> 16) && (v[k].y >> 16) && (v[k].z >> 16) && (v[k].w >> 16)); r++) {
+                    wait_pause(r, t0, 256);  // (longer: every thread of every early block polls)
+                    v[k] = ld_relaxed_v4(aw + 4L * g);
+                }
+                reinterpret_cast<uint2*>(acts)[g] =
+                    make_uint2((v[k].x & 0xffffu) | (v[k].y << 16), (v[k].z & 0xffffu) | (v[k].w << 16));
+            }
+        }
+    }
+    __syncthreads();
+    if (tid == 0 && MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
+    di_trace_phase(3);
+    pdl_launch_dependents();
+#else
     if (tid == 0) {
         grid_arrive_wait(&cnt[1], (u32)G);
         if (MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
@@ -1931,6 +1974,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     __syncthreads();
+#endif
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
         // the pair's residual values, asked for now so the pair's end waits for no load
@@ -2041,6 +2085,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     }
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
+#ifdef MOEF_X_TAGGED_ACT
+    // the last block out clears act's tags for the next launch (every block has copied act)
+    __shared__ int last_out;
+    if (tid == 0) last_out = out_before == (u32)G - 1;
+    __syncthreads();
+    if (last_out)
+        for (int g = tid; g < S * inter / 4; g += 32 * MOEF_WARPS)
+            reinterpret_cast<uint4*>(act)[g] = make_uint4(0, 0, 0, 0);
+#endif
     if (tid == 0 && out_before == (u32)G - 1) {
 #ifdef MOEF_X_TAGGED_LOGITS
         for (int e = 0; e < E; e++) logits[e] = 0ull;  // (the tags, for the next launch)

@@ -61,6 +61,11 @@ struct MoeDevice {
     /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s five (each left
     /// zeroed by every launch).
     counter: DevMem,
+    /// `moe_ffn1`'s gate/up values of its slots (top k, then the shared experts' slots of
+    /// `inter` rows), room for a u32 a value, zeroed: bf16s, or with the kernel's
+    /// `MOEF_X_TAGGED_ACT` draft a tag in each word's high half and the bf16 in its low half
+    /// (the tags left cleared by every launch).
+    act_words: DevMem,
     /// `moe_ffn1`'s / `moe_fk1`'s router logits, room for a u64 an expert, zeroed: f32s, or
     /// with the kernels' `MOEF_X_TAGGED_LOGITS` draft a nonzero tag in each word's high half
     /// and the f32's bits in its low half (the tags left cleared by every launch).
@@ -178,6 +183,9 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
     last.zero(&inner.stream)?;
     let logit_tags = DevMem::alloc(&inner.ctx, e * 8)?;
     logit_tags.zero(&inner.stream)?;
+    let slots = cfg.top_k + dec_shared.map_or(0, |(n, _)| n);
+    let act_words = DevMem::alloc(&inner.ctx, slots * inter * 4)?;
+    act_words.zero(&inner.stream)?;
     Ok(MoeDevice {
         ptrs: upload(bytes_of(&ptrs, |p: u64| p.to_le_bytes().to_vec()))?,
         bias,
@@ -186,6 +194,7 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         wi,
         counter,
         logit_tags,
+        act_words,
         dec_shared,
         split,
     })
@@ -750,8 +759,9 @@ fn forward_decode(
             return Ok(());
         }
         if let Some(f) = ffn1 {
-            let act = inner.scratch((k + n_shared) * inter, 2)?;
-            let mut args = first(act.ptr(), st.ptrs.ptr, shared[2], &f);
+            // (the layer's own zeroed buffer, which the tagged draft needs)
+            debug_assert!(st.act_words.bytes >= (k + n_shared) * inter * 4);
+            let mut args = first(st.act_words.ptr, st.ptrs.ptr, shared[2], &f);
             // the products after and before the layer: none until a pass folds one in
             // (fold_next_norm_gemv, fold_prev_acc_gemv)
             debug_assert_eq!(args.len(), FFN1_NEXT);
