@@ -1923,6 +1923,16 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 #ifdef MOEF_X_TAGGED_ACT
     // act's values as they come in, each word with its tag (no grid-wide meeting: a block
     // waits only for the values themselves), 8 groups of 4 in flight a thread
+    // (MOEF_X_TAGGED_ACT=2: first, one thread a block waits until all but 4 blocks have
+    // counted themselves in cnt[1], with no fence, so the early blocks do not poll the words
+    // while most are still to come)
+#if MOEF_X_TAGGED_ACT >= 2
+    if (tid == 0) {
+        atomicAdd(&cnt[1], 1u);
+        wait_count(&cnt[1], (u32)max(G - 4, 1));
+    }
+    __syncthreads();
+#endif
     {
         const int n4 = S * inter / 4;
         const u32* aw = reinterpret_cast<const u32*>(act);
