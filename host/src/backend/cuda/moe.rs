@@ -760,7 +760,13 @@ fn forward_decode(
         }
         if let Some(f) = ffn1 {
             // (the layer's own zeroed buffer, which the tagged draft needs)
-            debug_assert!(st.act_words.bytes >= (k + n_shared) * inter * 4);
+            if st.act_words.bytes < (k + n_shared) * inter * 4 {
+                return Err(Error::Cuda(format!(
+                    "moe_ffn1: the layer's buffer for {} slots of {inter} values holds {} bytes",
+                    k + n_shared,
+                    st.act_words.bytes
+                )));
+            }
             let mut args = first(st.act_words.ptr, st.ptrs.ptr, shared[2], &f);
             // the products after and before the layer: none until a pass folds one in
             // (fold_next_norm_gemv, fold_prev_acc_gemv)
