@@ -123,13 +123,8 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
-// Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
-// Grids that wait on each other's blocks assume every block resident at once; where that
-// does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
-// the wait would never end, so past 5 s it traps: the launch fails and the host reports the
-// error instead of hanging.
-// One pause of such a wait's k-th round (k from 1; t0 from 0) of about `ns` nanoseconds:
-// past 5 s of them it traps.
+// One pause of a grid-wide wait's k-th round (k from 1; t0 from 0) of about `ns` nanoseconds:
+// past 5 s of them it traps (see wait_count).
 __device__ __forceinline__ void wait_pause(u32 k, u64& t0, unsigned ns = 32) {
     __nanosleep(ns);
     if ((k & 4095) == 0) {
@@ -141,6 +136,11 @@ __device__ __forceinline__ void wait_pause(u32 k, u64& t0, unsigned ns = 32) {
             __trap();
     }
 }
+// Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
+// Grids that wait on each other's blocks assume every block resident at once; where that
+// does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
+// the wait would never end, so past 5 s it traps: the launch fails and the host reports the
+// error instead of hanging.
 __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     u64 t0 = 0;
     for (u32 k = 1; ld_acquire_u32(p) < n; k++) wait_pause(k, t0);

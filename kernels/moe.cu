@@ -1614,6 +1614,15 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
     }
 }
 
+// What the last block out of a moe_ffn1 / moe_fk1 launch leaves for the next one: its `n`
+// counters zeroed and (MOEF_X_TAGGED_LOGITS) the logits' tags cleared.
+__device__ __forceinline__ void moef_reset(u32* cnt, int n, u64* logits, int E) {
+#ifdef MOEF_X_TAGGED_LOGITS
+    for (int e = 0; e < E; e++) logits[e] = 0ull;
+#endif
+    for (int i = 0; i < n; i++) cnt[i] = 0;
+}
+
 // Before the programmatic wait a block of moe_ffn1 / moe_fk1 asks for its warps' first ring
 // pages (up to 192 KB), then loads what the routing reads (block b's router row, the norm's
 // gains, the expert addresses, the bias). (Those loads first measured no faster, session 26.)
@@ -1655,6 +1664,7 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 // by the launch's last block), and every block copies the values into shared memory as they
 // come in, waiting for each word's tag instead of for a counter all blocks arrive at after a
 // fence: two round trips fewer between a block's last gate/up value and its down units.
+
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
 // round trip; MOEF_X_LATE_END builds the end as before.
@@ -2104,16 +2114,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         for (int g = tid; g < S * inter / 4; g += 32 * MOEF_WARPS)
             reinterpret_cast<uint4*>(act)[g] = make_uint4(0, 0, 0, 0);
 #endif
-    if (tid == 0 && out_before == (u32)G - 1) {
-#ifdef MOEF_X_TAGGED_LOGITS
-        for (int e = 0; e < E; e++) logits[e] = 0ull;  // (the tags, for the next launch)
-#endif
-        cnt[0] = 0;
-        cnt[1] = 0;
-        cnt[2] = 0;
-        cnt[3] = 0;
-        cnt[4] = 0;
-    }
+    if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, 5, logits, E);
 #endif
 }
 
@@ -2323,14 +2324,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
     }
     di_trace_phase(4);
-    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) {
-#ifdef MOEF_X_TAGGED_LOGITS
-        for (int e = 0; e < E; e++) logits[e] = 0ull;  // (the tags, for the next launch)
-#endif
-        cnt[0] = 0;
-        cnt[1] = 0;
-        cnt[2] = 0;
-    }
+    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) moef_reset(cnt, 3, logits, E);
 #endif
 }
 
