@@ -123,10 +123,10 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
-// One pause of a grid-wide wait's k-th round (k from 1; t0 from 0) of about `ns` nanoseconds:
-// past 5 s of them it traps (see wait_count).
-__device__ __forceinline__ void wait_pause(u32 k, u64& t0, unsigned ns = 32) {
-    __nanosleep(ns);
+// One pause of a grid-wide wait's k-th round (k from 1; t0 from 0), about 32 ns: past 5 s of
+// them it traps (see wait_count).
+__device__ __forceinline__ void wait_pause(u32 k, u64& t0) {
+    __nanosleep(32);
     if ((k & 4095) == 0) {
         u64 t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -144,35 +144,6 @@ __device__ __forceinline__ void wait_pause(u32 k, u64& t0, unsigned ns = 32) {
 __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     u64 t0 = 0;
     for (u32 k = 1; ld_acquire_u32(p) < n; k++) wait_pause(k, t0);
-}
-
-// A word another block of the grid writes once with a nonzero high half (its tag) and a value
-// in the low half: `st_relaxed_u64` writes it (one store, so the value comes with the tag, no
-// fence or counter), `wait_tagged` waits (when `valid`) until the tag is set and returns the
-// word, with wait_count's 5 s bound; the grid's last block clears the tags for the next launch.
-__device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_u32(u32* p, u32 v) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// Four words read together, each as one relaxed load (not the four as one).
-__device__ __forceinline__ uint4 ld_relaxed_v4(const u32* p) {
-    uint4 v;
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-__device__ __forceinline__ u64 wait_tagged(const u64* p, bool valid) {
-    u64 v = 0, t0 = 0;
-    if (!valid) return 0;
-    for (u32 k = 1;; k++) {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-        if (v >> 32) return v;
-        wait_pause(k, t0);
-    }
 }
 
 // One thread of each block of a grid (all resident) at a grid-wide meeting: the block's writes

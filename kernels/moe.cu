@@ -1531,18 +1531,13 @@ __device__ __forceinline__ void moef_gu_partials(float (&a)[MOEF_MAXJ], float (&
 // The routing of a one-token launch of a block an SM (moe_ffn1, moe_fk1), after the
 // programmatic wait: every block normalizes the token into `hs` (block b writing its share of
 // `hn`; `cg`: the stream read past L1, another block of the grid wrote it), block b < E
-// stores expert b's logit (`logits`: room for E u64 words, zeroed when made) and counts it in
-// cnt[0], `between()` runs while the other blocks' logits come in,
-// then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
+// stores expert b's logit in `logits` and counts it in cnt[0], `between()` runs while the
+// other blocks' logits come in, then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
 // same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
 // three tables) and `selw` (their weights); block 0 keeps the load counters.
-// (MOEF_X_TAGGED_LOGITS, a draft not yet run on a GPU: expert b's logit as one u64 word,
-// (1 << 32) | the f32's bits, stored relaxed, and warp 0 of every block polling the E words
-// until their tags are set, the launch's last block clearing them at its end: no fence, no
-// counter and no load after it, two round trips fewer on the routing's path.)
 template <typename F>
 __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)[1][2], const bf16_t* src,
-                                           bf16_t* hn, const float* gain, float eps, int gate_wt, u64* logits,
+                                           bf16_t* hn, const float* gain, float eps, int gate_wt, float* logits,
                                            u32* cnt, unsigned long long* totals, unsigned* last, int d, int E, int K,
                                            int score, int norm, float scaling, bool cg, float* hs, float* red,
                                            int* cid, float* cw, u64 (*sel)[3], float* selw, F between) {
@@ -1570,32 +1565,18 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
     if (b < E && tid == 0) {
         float v = 0.0f;
         for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
-#ifdef MOEF_X_TAGGED_LOGITS
-        st_relaxed_u64(logits + b, (1ull << 32) | __float_as_uint(v));
-#else
-        reinterpret_cast<float*>(logits)[b] = v;
+        logits[b] = v;
         __threadfence();
         atomicAdd(&cnt[0], 1u);
-#endif
     }
     di_trace_phase(0);
     between();
-#ifdef MOEF_X_TAGGED_LOGITS
-    __syncthreads();
-    if (warp == 0) {
-        const u64 w0 = wait_tagged(logits + lane, lane < E), w1 = wait_tagged(logits + lane + 32, lane + 32 < E);
-        const float v0 = lane < E ? __uint_as_float((u32)w0) : 0.0f, v1 = lane + 32 < E ? __uint_as_float((u32)w1) : 0.0f;
-        moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
-    }
-#else
     if (tid == 0) wait_count(&cnt[0], (u32)E);
     __syncthreads();
     if (warp == 0) {
-        const float* lf = reinterpret_cast<const float*>(logits);
-        const float v0 = lane < E ? __ldcg(lf + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(lf + lane + 32) : 0.0f;
+        const float v0 = lane < E ? __ldcg(logits + lane) : 0.0f, v1 = lane + 32 < E ? __ldcg(logits + lane + 32) : 0.0f;
         moe_pick1(v0, v1, t.b0, t.b1, E, K, score, norm, scaling, cid, cw);
     }
-#endif
     __syncthreads();
     if (tid < E) {
         int s;
@@ -1615,11 +1596,8 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
 }
 
 // What the last block out of a moe_ffn1 / moe_fk1 launch leaves for the next one: its `n`
-// counters zeroed and (MOEF_X_TAGGED_LOGITS) the logits' tags cleared.
-__device__ __forceinline__ void moef_reset(u32* cnt, int n, u64* logits, int E) {
-#ifdef MOEF_X_TAGGED_LOGITS
-    for (int e = 0; e < E; e++) logits[e] = 0ull;
-#endif
+// counters zeroed.
+__device__ __forceinline__ void moef_reset(u32* cnt, int n) {
     for (int i = 0; i < n; i++) cnt[i] = 0;
 }
 
@@ -1658,13 +1636,6 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
 #endif
-// MOEF_X_TAGGED_ACT (a draft, not yet run on a GPU): no grid-wide meeting between the gate/up
-// and down phases: each gate/up value is stored with a tag as one u32 word of `act` (0x10000 |
-// its bf16 bits; `act` is then the layer's zeroed buffer of S x inter words, its tags cleared
-// by the launch's last block), and every block copies the values into shared memory as they
-// come in, waiting for each word's tag instead of for a counter all blocks arrive at after a
-// fence: two round trips fewer between a block's last gate/up value and its down units.
-
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
 // round trip; MOEF_X_LATE_END builds the end as before.
@@ -1676,7 +1647,7 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
-    u64* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* qw0, const u8* qw1, const u8* qw2, bf16_t* qy0, bf16_t* qy1, bf16_t* qy2, int qm0, int qm1,
@@ -1915,12 +1886,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         if (lane == 0) {
             const long j = u < nsh ? sh0 + u : rt0 + (u - nsh);
             const long s = u < nsh ? K + j / inter : j / inter;
-#ifdef MOEF_X_TAGGED_ACT
-            st_relaxed_u32(reinterpret_cast<u32*>(act) + s * inter + j % inter,
-                           0x10000u | f32_to_bf16(swiglu(gs, us)));
-#else
             act_store(act, s * inter + j % inter, swiglu(gs, us));
-#endif
         }
     }
     // every block's gate/up done
@@ -1930,48 +1896,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // trip is left for its end: the last block out zeroes the counters, none of which any
     // block waits on by then (MOEF_X_LATE_END: counted at the end, as before session 29)
     u32 out_before = 0;
-#ifdef MOEF_X_TAGGED_ACT
-    // act's values as they come in, each word with its tag (no grid-wide meeting: a block
-    // waits only for the values themselves), 8 groups of 4 in flight a thread
-    // (MOEF_X_TAGGED_ACT=2: first, one thread a block waits until all but 4 blocks have
-    // counted themselves in cnt[1], with no fence, so the early blocks do not poll the words
-    // while most are still to come)
-#if MOEF_X_TAGGED_ACT >= 2
-    if (tid == 0) {
-        atomicAdd(&cnt[1], 1u);
-        wait_count(&cnt[1], (u32)max(G - 4, 1));
-    }
-    __syncthreads();
-#endif
-    {
-        const int n4 = S * inter / 4;
-        const u32* aw = reinterpret_cast<const u32*>(act);
-        for (int g0 = tid; g0 < n4; g0 += 8 * 32 * MOEF_WARPS) {
-            uint4 v[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int g = g0 + k * 32 * MOEF_WARPS;
-                if (g < n4) v[k] = ld_relaxed_v4(aw + 4L * g);
-            }
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int g = g0 + k * 32 * MOEF_WARPS;
-                if (g >= n4) continue;
-                u64 t0 = 0;
-                for (u32 r = 1; !((v[k].x >> 16) && (v[k].y >> 16) && (v[k].z >> 16) && (v[k].w >> 16)); r++) {
-                    wait_pause(r, t0, 256);  // (longer: every thread of every early block polls)
-                    v[k] = ld_relaxed_v4(aw + 4L * g);
-                }
-                reinterpret_cast<uint2*>(acts)[g] =
-                    make_uint2((v[k].x & 0xffffu) | (v[k].y << 16), (v[k].z & 0xffffu) | (v[k].w << 16));
-            }
-        }
-    }
-    __syncthreads();
-    if (tid == 0 && MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
-    di_trace_phase(3);
-    pdl_launch_dependents();
-#else
     if (tid == 0) {
         grid_arrive_wait(&cnt[1], (u32)G);
         if (MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
@@ -1994,7 +1918,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     __syncthreads();
-#endif
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
         // the pair's residual values, asked for now so the pair's end waits for no load
@@ -2105,16 +2028,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     }
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
-#ifdef MOEF_X_TAGGED_ACT
-    // the last block out clears act's tags for the next launch (every block has copied act)
-    __shared__ int last_out;
-    if (tid == 0) last_out = out_before == (u32)G - 1;
-    __syncthreads();
-    if (last_out)
-        for (int g = tid; g < S * inter / 4; g += 32 * MOEF_WARPS)
-            reinterpret_cast<uint4*>(act)[g] = make_uint4(0, 0, 0, 0);
-#endif
-    if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, 5, logits, E);
+    if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, 5);
 #endif
 }
 
@@ -2141,7 +2055,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, float* part,
-    u64* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
+    float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
     long gate_row_bytes, const float* bias, const u64* ptrs, const bf16_t* sh_gate, const bf16_t* sh_up,
     const bf16_t* sh_downt, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* l2_0, long l2_bytes0, const u8* l2_1, long l2_bytes1) {
@@ -2324,7 +2238,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
     }
     di_trace_phase(4);
-    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) moef_reset(cnt, 3, logits, E);
+    if (tid == 0 && atomicAdd(&cnt[2], 1u) == (u32)G - 1) moef_reset(cnt, 3);
 #endif
 }
 

@@ -35,12 +35,22 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const ui
 // completing on the same barrier; 3, all of it by the lanes' `cp.async` copies; 4, two bulk
 // copies of a half, from the two halves of the buffer (as a gate/up unit's gate row and up row
 // come from two matrices).
+// With `lat` (the latency probe), warp 7 streams nothing: its lane 0 times L2 round trips
+// while the other 7 warps stream, a chain of dependent loads past L1 (`ld.global.cg`, as the
+// grid-wide waits read counters) over the block's own 16 KB of `chase`, a line at a time,
+// until the streaming warps are done and at least STREAM_MIN_TRIPS were made, and stores the
+// nanoseconds and the round trips in lat[2 b], lat[2 b + 1] (low 32 bits): what a round trip costs behind
+// a given depth of copies in flight (a routing's loads behind the weight rings).
+#define STREAM_MIN_TRIPS 512
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
-    stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink) {
+    stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink, u32* chase,
+                unsigned long long* lat) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 stream_smem[];
     __shared__ __align__(8) u64 bars[STREAM_MAXP];
+    __shared__ int done;  // streaming warps finished (the latency probe)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    const int SW = lat != nullptr ? 7 : 8;  // warps streaming
     const long n = bytes / unit, u0 = n * b / G, nu = n * (b + 1) / G - u0;
     const u32 ring = (u32)__cvta_generic_to_shared(stream_smem), bar0 = (u32)__cvta_generic_to_shared(bars);
     // bytes by bulk copies, the rest by the lanes
@@ -49,14 +59,36 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int p = 0; p < 8 * ppw; p++) mbar_init(bar0 + 8 * p, bulk < (u32)unit ? 33 : 1);
         mbar_init_fence();
+        done = 0;
     }
     __syncthreads();
-    const long mine = nu > warp ? (nu - warp + 7) / 8 : 0;
+    if (warp == SW) {
+        if (lane != 0) return;
+        u32* cb = chase + (long)b * 4096;
+        for (int i = 0; i < 4096; i += 32) cb[i] = 0u;
+        u64 t0, t1;
+        u32 off = 0, trips = 0;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        while (trips < STREAM_MIN_TRIPS || *reinterpret_cast<volatile int*>(&done) < SW) {
+#pragma unroll 1
+            for (int k = 0; k < 16; k++) {
+                u32 v;
+                asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(cb + off));
+                off = (off + 32u + v) & 4095u;  // v is 0: the next line, after this load
+            }
+            trips += 16;
+        }
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+        lat[2 * b] = t1 - t0;
+        lat[2 * b + 1] = trips | (u64)off << 32;  // (the chain's end kept: unused, its loads would go)
+        return;
+    }
+    const long mine = nu > warp ? (nu - warp + SW - 1) / SW : 0;
     // the whole warp: each lane's copies arrive on the barrier once they land, then lane 0
     // arrives, telling the barrier the bulk bytes to wait for
     auto issue = [&](long i) {
         const int pg = warp * ppw + (int)(i % ppw);
-        const long u = u0 + warp + 8 * i;
+        const long u = u0 + warp + (long)SW * i;
         const u8* s = src + u * unit;
         const u32 dst = ring + (u32)pg * (u32)unit, bar = bar0 + 8 * pg;
         if (bulk < (u32)unit) {
@@ -88,5 +120,6 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
         if (i + ppw < mine) issue(i + ppw);
     }
     if (acc == 0x9e3779b9u) sink[0] = acc;
+    if (lane == 0) atomicAdd(&done, 1);
 #endif
 }

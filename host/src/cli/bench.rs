@@ -75,7 +75,9 @@ pub enum BenchMode {
     /// The device's read rate by each path the CUDA kernels stream weights with: 16-byte
     /// loads into registers, and rings of shared-memory pages of each size, 1 to 8 a warp,
     /// filled by bulk copies (whole, by halves, or by halves from two places), the lanes'
-    /// `cp.async` copies or both (CUDA; one line a path, JSON records with --output).
+    /// `cp.async` copies or both; then an L2 round trip's time with nothing streaming and
+    /// behind 8 KiB rings 1 to 3 pages deep (CUDA; one line a path, JSON records with
+    /// --output).
     Stream {
         /// Bytes read a launch, MiB (several times the L2's size).
         #[arg(long, default_value_t = 1024)]
@@ -396,26 +398,28 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
         "{device}: {mib} MiB a launch, median of {} launches",
         a.repeats
     );
-    println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s");
+    println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s  L2 round trip ns");
     for p in &points {
-        // TB/s of the median launch
-        let rate = Summary::of(&p.seconds).map_or(0.0, |t| bytes as f64 / t.median / 1e12);
+        // TB/s of the median launch (the latency probe's: of its streaming warps)
+        let rate = Summary::of(&p.seconds).map_or(0.0, |t| p.bytes as f64 / t.median / 1e12);
+        let trip = Summary::of(&p.round_trip_ns).map(|t| t.median);
         // (register loads fill no pages)
         let fill = match p.path {
-            "ring" => crate::backend::cuda::STREAM_FILLS
+            "ring" | "lat" => crate::backend::cuda::STREAM_FILLS
                 .get(p.mode)
                 .copied()
                 .unwrap_or("?"),
             _ => "-",
         };
         println!(
-            "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3}",
+            "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3} {:>17}",
             p.path,
             p.unit / 1024,
             p.pages,
             fill,
             p.in_flight / 1024,
-            rate
+            rate,
+            trip.map_or("-".to_string(), |t| format!("{t:.0}"))
         );
         if let Some(s) = sink.as_mut() {
             let rec = serde_json::json!({
@@ -427,9 +431,11 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
                 "pages_per_warp": p.pages,
                 "fill": fill,
                 "in_flight_bytes": p.in_flight,
-                "bytes": bytes,
+                "bytes": p.bytes,
                 "raw_s": p.seconds,
                 "median_tb_s": rate,
+                "round_trip_ns": p.round_trip_ns,
+                "median_round_trip_ns": trip,
             });
             writeln!(s, "{rec}")?;
         }

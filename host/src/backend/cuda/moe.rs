@@ -62,14 +62,10 @@ struct MoeDevice {
     /// zeroed by every launch).
     counter: DevMem,
     /// `moe_ffn1`'s gate/up values of its slots (top k, then the shared experts' slots of
-    /// `inter` rows), room for a u32 a value, zeroed: bf16s, or with the kernel's
-    /// `MOEF_X_TAGGED_ACT` draft a tag in each word's high half and the bf16 in its low half
-    /// (the tags left cleared by every launch).
-    act_words: DevMem,
-    /// `moe_ffn1`'s / `moe_fk1`'s router logits, room for a u64 an expert, zeroed: f32s, or
-    /// with the kernels' `MOEF_X_TAGGED_LOGITS` draft a nonzero tag in each word's high half
-    /// and the f32's bits in its low half (the tags left cleared by every launch).
-    logit_tags: DevMem,
+    /// `inter` rows), bf16.
+    act: DevMem,
+    /// `moe_ffn1`'s / `moe_fk1`'s router logits, f32.
+    logits: DevMem,
     /// The shared experts as slots of the decode kernels: `None` when they cannot be (other
     /// type or width), else (slots, gate, up, down addresses; 0 slots without shared experts).
     dec_shared: Option<(usize, [u64; 3])>,
@@ -181,11 +177,9 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
     totals.zero(&inner.stream)?;
     let last = DevMem::alloc(&inner.ctx, e * 4)?;
     last.zero(&inner.stream)?;
-    let logit_tags = DevMem::alloc(&inner.ctx, e * 8)?;
-    logit_tags.zero(&inner.stream)?;
+    let logits = DevMem::alloc(&inner.ctx, e * 4)?;
     let slots = cfg.top_k + dec_shared.map_or(0, |(n, _)| n);
-    let act_words = DevMem::alloc(&inner.ctx, slots * inter * 4)?;
-    act_words.zero(&inner.stream)?;
+    let act = DevMem::alloc(&inner.ctx, slots * inter * 2)?;
     Ok(MoeDevice {
         ptrs: upload(bytes_of(&ptrs, |p: u64| p.to_le_bytes().to_vec()))?,
         bias,
@@ -193,8 +187,8 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         last,
         wi,
         counter,
-        logit_tags,
-        act_words,
+        logits,
+        act,
         dec_shared,
         split,
     })
@@ -713,7 +707,7 @@ fn forward_decode(
                 gain,
                 eps,
                 buf,
-                st.logit_tags.ptr,
+                st.logits.ptr,
                 st.counter.ptr + 4,
                 st.totals.ptr,
                 st.last.ptr,
@@ -759,15 +753,14 @@ fn forward_decode(
             return Ok(());
         }
         if let Some(f) = ffn1 {
-            // (the layer's own zeroed buffer, which the tagged draft needs)
-            if st.act_words.bytes < (k + n_shared) * inter * 4 {
+            if st.act.bytes < (k + n_shared) * inter * 2 {
                 return Err(Error::Cuda(format!(
                     "moe_ffn1: the layer's buffer for {} slots of {inter} values holds {} bytes",
                     k + n_shared,
-                    st.act_words.bytes
+                    st.act.bytes
                 )));
             }
-            let mut args = first(st.act_words.ptr, st.ptrs.ptr, shared[2], &f);
+            let mut args = first(st.act.ptr, st.ptrs.ptr, shared[2], &f);
             // the products after and before the layer: none until a pass folds one in
             // (fold_next_norm_gemv, fold_prev_acc_gemv)
             debug_assert_eq!(args.len(), FFN1_NEXT);

@@ -31,7 +31,7 @@ fn download_into<T>(inner: &Inner, ptr: u64, v: &mut [T]) -> Result<()> {
         .map_err(|e| cuda_err("copy to host", e))
 }
 
-fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
+pub(crate) fn download<T: Default + Clone>(inner: &Inner, ptr: u64, n: usize) -> Result<Vec<T>> {
     let mut v = vec![T::default(); n];
     download_into(inner, ptr, &mut v)?;
     inner.sync()?;

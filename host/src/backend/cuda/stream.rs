@@ -3,7 +3,9 @@
 //! registers, and rings of shared-memory pages of several sizes and depths filled by bulk
 //! copies (as `moe_ffn1` streams its units), by the lanes' `cp.async` copies, or both. The
 //! ceiling each path reaches on the machine is what the kernels' phases are measured against
-//! (doc/benchmarks.md).
+//! (doc/benchmarks.md). The latency probe times a chain of L2 round trips in every block
+//! while 7 of its 8 warps stream through rings of each depth: what a grid-wide wait's loads
+//! cost behind the copies a launch keeps in flight.
 
 use super::queue::Op;
 use super::CudaBackend;
@@ -15,6 +17,10 @@ const THREADS: u32 = 256;
 const WARPS: usize = 8;
 /// Most ring pages a warp (`STREAM_MAXP` / 8).
 const MAX_PPW: usize = 8;
+/// Page size of the latency probe's rings (`moe_ffn1`'s on the Moonlight shape).
+const LAT_UNIT: usize = 8 * 1024;
+/// Fill of the latency probe's rings (`mixed`, `moe_ffn1`'s).
+const LAT_MODE: usize = 2;
 /// How a ring page is filled, by [`StreamPoint::mode`].
 pub const FILLS: [&str; 5] = ["bulk", "bulk2", "mixed", "lanes", "split"];
 
@@ -37,13 +43,19 @@ pub struct StreamPoint {
     pub in_flight: usize,
     /// Device seconds of each measured launch.
     pub seconds: Vec<f64>,
+    /// `lat` (the latency probe): bytes the launch streamed (0: the round trips alone).
+    pub bytes: usize,
+    /// `lat`: each measured launch's median over blocks of the nanoseconds an L2 round trip
+    /// took while the block's other warps streamed.
+    pub round_trip_ns: Vec<f64>,
 }
 
 impl CudaBackend {
     /// Reads `bytes` of device memory `repeats` times (after one unmeasured launch) by each
     /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
     /// pages, 1 to 8 a warp where they fit in shared memory, each page filled each of the
-    /// [`FILLS`] ways.
+    /// [`FILLS`] ways; then the latency probe (`lat`): L2 round trips timed with nothing
+    /// streaming, then behind rings of 8 KiB pages filled the `mixed` way, 1 to 8 a warp.
     pub fn stream_probe(
         &self,
         bytes: usize,
@@ -68,23 +80,32 @@ impl CudaBackend {
         let buf = inner.scratch(bytes, 1)?;
         let sink = inner.scratch(1, 4)?;
         let sms = m.sms as u32;
+        // the latency probe's 16 KB a block and its (ns, trips) a block
+        let chase = inner.scratch(m.sms * 16 * 1024, 16)?;
+        let lat = inner.scratch(m.sms * 16, 16)?;
         let mut points = Vec::new();
         inner.flush()?;
         inner.sync()?;
-        let mut measure = |mut p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
-            for r in 0..=repeats {
-                let before = inner.queue().stats.device_s;
-                inner.push(op());
-                inner.flush()?;
-                inner.sync()?;
-                let after = inner.queue().stats.device_s;
-                if r > 0 {
-                    p.seconds.push(after - before);
+        let mut measure =
+            |mut p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
+                for r in 0..=repeats {
+                    let before = inner.queue().stats.device_s;
+                    inner.push(op());
+                    inner.flush()?;
+                    inner.sync()?;
+                    let after = inner.queue().stats.device_s;
+                    if r > 0 {
+                        p.seconds.push(after - before);
+                        if p.path == "lat" {
+                            p.round_trip_ns.push(median_round_trip(
+                                &super::sample::download::<u64>(inner, lat.ptr(), 2 * m.sms)?,
+                            ));
+                        }
+                    }
                 }
-            }
-            points.push(p);
-            Ok(())
-        };
+                points.push(p);
+                Ok(())
+            };
         inner.queue().timing = true;
         let ldg = StreamPoint {
             path: "ldg",
@@ -94,6 +115,8 @@ impl CudaBackend {
             // 8 loads of 16 bytes a thread, 8 blocks an SM (the grid is one wave of them)
             in_flight: 8 * 8 * 16 * THREADS as usize,
             seconds: Vec::new(),
+            bytes,
+            round_trip_ns: Vec::new(),
         };
         let (src, out) = (buf.ptr(), sink.ptr());
         let result = (|| {
@@ -121,6 +144,8 @@ impl CudaBackend {
                             mode,
                             in_flight: smem,
                             seconds: Vec::new(),
+                            bytes,
+                            round_trip_ns: Vec::new(),
                         };
                         measure(p, &|| Op::Launch {
                             kernel: ring,
@@ -134,14 +159,80 @@ impl CudaBackend {
                                 ppw as u64,
                                 mode as u64,
                                 out,
+                                0,
+                                0,
                             ],
                         })?;
                     }
                 }
             }
+            // the latency probe: nothing streaming (ppw 0), then 1 to 8 pages a warp
+            for ppw in 0..=MAX_PPW {
+                let smem = WARPS * ppw.max(1) * LAT_UNIT;
+                if smem > max_smem as usize {
+                    break;
+                }
+                let streamed = if ppw == 0 { 0 } else { bytes };
+                let p = StreamPoint {
+                    path: "lat",
+                    unit: LAT_UNIT,
+                    pages: ppw,
+                    mode: LAT_MODE,
+                    in_flight: (WARPS - 1) * ppw * LAT_UNIT,
+                    seconds: Vec::new(),
+                    bytes: streamed,
+                    round_trip_ns: Vec::new(),
+                };
+                measure(p, &|| Op::Launch {
+                    kernel: ring,
+                    grid: [sms, 1, 1],
+                    block: THREADS,
+                    smem: smem as u32,
+                    args: vec![
+                        src,
+                        streamed as u64,
+                        LAT_UNIT as u64,
+                        ppw.max(1) as u64,
+                        LAT_MODE as u64,
+                        out,
+                        chase.ptr(),
+                        lat.ptr(),
+                    ],
+                })?;
+            }
             Ok(())
         })();
         inner.queue().timing = false;
         result.map(|()| points)
+    }
+}
+
+/// The median over blocks of nanoseconds a round trip from the latency probe's (ns, trips)
+/// pairs (blocks that made none left out).
+fn median_round_trip(pairs: &[u64]) -> f64 {
+    let mut v: Vec<f64> = pairs
+        .chunks_exact(2)
+        // (the high half of a block's second word is where its chain ended)
+        .map(|p| (p[0], p[1] & 0xffff_ffff))
+        .filter(|&(_, trips)| trips > 0)
+        .map(|(ns, trips)| ns as f64 / trips as f64)
+        .collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_round_trip;
+
+    #[test]
+    fn round_trips_are_the_median_block_and_blocks_without_trips_are_left_out() {
+        // blocks: 600 ns / 2 trips, 4000 / 8, 1200 / 2, and one that made none
+        let m = median_round_trip(&[600, 2, 4000, 8 | 96 << 32, 1200, 2, 0, 0]);
+        assert_eq!(m, 500.0);
+        assert!(median_round_trip(&[0, 0]).is_nan());
     }
 }
