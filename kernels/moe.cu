@@ -1530,8 +1530,9 @@ __device__ __forceinline__ void moef_gu_partials(float (&a)[MOEF_MAXJ], float (&
 
 // The routing of a one-token launch of a block an SM (moe_ffn1, moe_fk1), after the
 // programmatic wait: every block normalizes the token into `hs` (block b writing its share of
-// `hn`; `cg`: the stream read past L1, another block of the grid wrote it), block b < E
-// stores expert b's logit in `logits` and counts it in cnt[0], `between()` runs while the
+// `hn`; `cg`: the stream read past L1, another block of the grid wrote it), a block whose
+// `eb` < E (block b: expert b) stores expert eb's logit in `logits` and counts it in cnt[0],
+// `between()` runs while the
 // other blocks' logits come in, then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
 // same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
 // three tables) and `selw` (their weights); block 0 keeps the load counters.
@@ -1540,7 +1541,7 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
                                            bf16_t* hn, const float* gain, float eps, int gate_wt, float* logits,
                                            u32* cnt, unsigned long long* totals, unsigned* last, int d, int E, int K,
                                            int score, int norm, float scaling, bool cg, float* hs, float* red,
-                                           int* cid, float* cw, u64 (*sel)[3], float* selw, F between) {
+                                           int* cid, float* cw, u64 (*sel)[3], float* selw, int eb, F between) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
     const bool mine = tid < (d >> 3);
     const unsigned long long my_total = b == 0 && tid < E ? totals[tid] : 0ull;
@@ -1550,7 +1551,7 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
         *reinterpret_cast<float4*>(&hs[tid * 8]) = make_float4(xv[0], xv[1], xv[2], xv[3]);
         *reinterpret_cast<float4*>(&hs[tid * 8 + 4]) = make_float4(xv[4], xv[5], xv[6], xv[7]);
     }
-    if (b < E) {
+    if (eb < E) {
         float acc = 0.0f;
         if (mine) {
             float wv[8];
@@ -1562,10 +1563,10 @@ __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)
         if (lane == 0) red[warp] = acc;
     }
     __syncthreads();
-    if (b < E && tid == 0) {
+    if (eb < E && tid == 0) {
         float v = 0.0f;
         for (int w = 0; w < MOEF_WARPS; w++) v += red[w];
-        logits[b] = v;
+        logits[eb] = v;
         __threadfence();
         atomicAdd(&cnt[0], 1u);
     }
@@ -1602,13 +1603,13 @@ __device__ __forceinline__ void moef_reset(u32* cnt, int n) {
 }
 
 // Before the programmatic wait a block of moe_ffn1 / moe_fk1 asks for its warps' first ring
-// pages (up to 192 KB), then loads what the routing reads (block b's router row, the norm's
-// gains, the expert addresses, the bias). (Those loads first measured no faster, session 26.)
+// pages (up to 192 KB), then loads what the routing reads (router row eb when eb < E, the
+// norm's gains, the expert addresses, the bias). (Those loads first measured no faster,
+// session 26.)
 __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t, const u8* gate, int gate_wt,
                                                  long gate_row_bytes, const float* gain, const u64* ptrs,
-                                                 const float* bias, int E, bool mine) {
-    const int b = blockIdx.x;
-    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, b, b < E ? 1 : 0, mine);
+                                                 const float* bias, int E, bool mine, int eb) {
+    moe_gate_first<1>(graw, gate, gate_wt, gate_row_bytes, eb, eb < E ? 1 : 0, mine);
     moe_tok1_pre(t, gain, ptrs, bias, E, mine);
 }
 
@@ -1636,6 +1637,19 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
 #endif
+// MOEF_X_TICKET (a draft, off): block b computes the logit of the expert numbered by its
+// arrival (an atomic ticket before the programmatic wait) instead of expert b, so the routing
+// waits on the first E blocks to become resident (some start only as the launches before
+// leave their SMs, ≈ 2.4 us of spread at the wait on an H100) whatever their numbers; the
+// values and the pick are the same (GPU suites pass). Session 30, one H100: 2.4865 against
+// 2.503 ms (medians of 10 processes each, alternated, both spreads ≈ 0.07 ms): within that
+// machine's noise, to be measured again where the figures are steadier (an H200).
+#ifdef MOEF_X_TICKET
+#define MOEF_COUNTERS 6
+#else
+#define MOEF_COUNTERS 5
+#endif
+
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
 // round trip; MOEF_X_LATE_END builds the end as before.
@@ -1795,7 +1809,17 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     MoeTok1 t;
     if (MOEF_ISSUER)
         while (issued < ppw && early(issued)) issue(issued++);
-    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+#ifdef MOEF_X_TICKET
+    // the expert whose logit this block computes: the block's place among the grid's blocks in
+    // the order they got here (cnt[5]), so the E logits come from the first E blocks resident
+    __shared__ int ticket;
+    if (tid == 0) ticket = (int)atomicAdd(&cnt[5], 1u);
+    __syncthreads();
+    const int eb = ticket;
+#else
+    const int eb = b;
+#endif
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine, eb);
     pdl_wait();
     if (om > 0) {
         // 0. the product before the layer (gemvp's ACC sums in their order): its input staged
@@ -1843,7 +1867,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
-               hs, red, cid, cw, sel, selw, [&] {
+               hs, red, cid, cw, sel, selw, eb, [&] {
                    moef_lane_row(hr, hs, nch);
                    ask_l2();
                });
@@ -2028,7 +2052,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     }
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
-    if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, 5);
+    if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, MOEF_COUNTERS);
 #endif
 }
 
@@ -2110,7 +2134,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     MoeTok1 t;
     if (lane == 0)
         while (issued < ppw && issued < nsh) issue(issued++);
-    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine);
+    moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine, b);
     pdl_wait();
     float hr[MOEF_MAXJ][8];
     // the warp's partial sums of the output, chunk lane + 32 j
@@ -2158,7 +2182,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
         }
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, false,
-               hs, red, cid, cw, sel, selw, [&] { moef_lane_row(hr, hs, nch); });
+               hs, red, cid, cw, sel, selw, b, [&] { moef_lane_row(hr, hs, nch); });
     __syncthreads();
     di_trace_phase(1);
     // the pages the shared units left free (or never took)
