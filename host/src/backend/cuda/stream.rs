@@ -130,6 +130,19 @@ impl CudaBackend {
             let Some((ring, max_smem)) = m.stream_ring else {
                 return Ok(());
             };
+            // a ring launch streaming `streamed` bytes; `probe`: the latency probe's chase
+            // and result buffers, or zeros
+            let ring_op =
+                |streamed: usize, unit: usize, ppw: usize, mode: usize, probe: [u64; 2]| {
+                    let args = [streamed, unit, ppw, mode].map(|v| v as u64);
+                    Op::Launch {
+                        kernel: ring,
+                        grid: [sms, 1, 1],
+                        block: THREADS,
+                        smem: (WARPS * ppw * unit) as u32,
+                        args: [&[src][..], &args, &[out], &probe].concat(),
+                    }
+                };
             for &unit in units {
                 for ppw in 1..=MAX_PPW {
                     let smem = WARPS * ppw * unit;
@@ -147,22 +160,7 @@ impl CudaBackend {
                             bytes,
                             round_trip_ns: Vec::new(),
                         };
-                        measure(p, &|| Op::Launch {
-                            kernel: ring,
-                            grid: [sms, 1, 1],
-                            block: THREADS,
-                            smem: smem as u32,
-                            args: vec![
-                                src,
-                                bytes as u64,
-                                unit as u64,
-                                ppw as u64,
-                                mode as u64,
-                                out,
-                                0,
-                                0,
-                            ],
-                        })?;
+                        measure(p, &|| ring_op(bytes, unit, ppw, mode, [0, 0]))?;
                     }
                 }
             }
@@ -183,21 +181,9 @@ impl CudaBackend {
                     bytes: streamed,
                     round_trip_ns: Vec::new(),
                 };
-                measure(p, &|| Op::Launch {
-                    kernel: ring,
-                    grid: [sms, 1, 1],
-                    block: THREADS,
-                    smem: smem as u32,
-                    args: vec![
-                        src,
-                        streamed as u64,
-                        LAT_UNIT as u64,
-                        ppw.max(1) as u64,
-                        LAT_MODE as u64,
-                        out,
-                        chase.ptr(),
-                        lat.ptr(),
-                    ],
+                let probe = [chase.ptr(), lat.ptr()];
+                measure(p, &|| {
+                    ring_op(streamed, LAT_UNIT, ppw.max(1), LAT_MODE, probe)
                 })?;
             }
             Ok(())
