@@ -123,19 +123,6 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
-// One pause of a grid-wide wait's k-th round (k from 1; t0 from 0), about 32 ns: past 5 s of
-// them it traps (see wait_count).
-__device__ __forceinline__ void wait_pause(u32 k, u64& t0) {
-    __nanosleep(32);
-    if ((k & 4095) == 0) {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t0 == 0)
-            t0 = t;
-        else if (t - t0 > 5000000000ull)
-            __trap();
-    }
-}
 // Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
 // Grids that wait on each other's blocks assume every block resident at once; where that
 // does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
@@ -143,7 +130,17 @@ __device__ __forceinline__ void wait_pause(u32 k, u64& t0) {
 // error instead of hanging.
 __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     u64 t0 = 0;
-    for (u32 k = 1; ld_acquire_u32(p) < n; k++) wait_pause(k, t0);
+    for (u32 k = 1; ld_acquire_u32(p) < n; k++) {
+        __nanosleep(32);
+        if ((k & 4095) == 0) {
+            u64 t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            if (t0 == 0)
+                t0 = t;
+            else if (t - t0 > 5000000000ull)
+                __trap();
+        }
+    }
 }
 
 // One thread of each block of a grid (all resident) at a grid-wide meeting: the block's writes

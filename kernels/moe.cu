@@ -1532,9 +1532,8 @@ __device__ __forceinline__ void moef_gu_partials(float (&a)[MOEF_MAXJ], float (&
 // programmatic wait: every block normalizes the token into `hs` (block b writing its share of
 // `hn`; `cg`: the stream read past L1, another block of the grid wrote it), a block whose
 // `eb` < E (block b: expert b) stores expert eb's logit in `logits` and counts it in cnt[0],
-// `between()` runs while the
-// other blocks' logits come in, then every block picks the top k itself (moe_pick1: moe_route1c's sums and order, so the
-// same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
+// `between()` runs while the other blocks' logits come in, then every block picks the top k
+// itself (moe_pick1: moe_route1c's sums and order, so the same experts) into `sel` (the picked experts' gate, up and down addresses from `ptrs`'
 // three tables) and `selw` (their weights); block 0 keeps the load counters.
 template <typename F>
 __device__ __forceinline__ void moef_route(const MoeTok1& t, const uint4 (&graw)[1][2], const bf16_t* src,
@@ -1621,19 +1620,15 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 // the bulk bytes to wait for (33 arrivals a phase). 1.013x on the Moonlight step against every
 // row by bulk copies (H100, doc/benchmarks.md, session 29), though a bare ring of bulk copies
 // streams as fast as one of the lanes' copies (`deepinfer bench stream`). The values are the
-// same either way. Compile-time choices for measuring: MOEF_X_BULK, every row by bulk copies
-// (lane 0 alone asking, one arrival a phase; the kernel before session 29); MOEF_X_LANES (a
-// draft), both rows by the lanes.
+// same either way (both rows by the lanes measured between the two and was dropped). For
+// measuring, MOEF_X_BULK builds every row by bulk copies (lane 0 alone asking, one arrival a
+// phase; the kernel before session 29).
 #ifdef MOEF_X_BULK
-#define MOEF_LANES 0
+#define MOEF_LANES false
 #define MOEF_ISSUER (lane == 0)
 #define MOEF_ARRIVALS 1
 #else
-#ifdef MOEF_X_LANES
-#define MOEF_LANES 2
-#else
-#define MOEF_LANES 1
-#endif
+#define MOEF_LANES true
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
 #endif
@@ -1728,28 +1723,21 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const int my_units = my_no + my_gd + share(nqu, warp);
     int issued = 0;
     // page pg filled with `bytes` from p0 and, when `two`, as many from p1 after them (the
-    // warp's reads of the page's last unit before the copy's writes); `lanes`: p1's bytes (with
-    // MOEF_X_LANES p0's too) by the lanes' copies
+    // warp's reads of the page's last unit before the copy's writes); `lanes`: p1's bytes by
+    // the lanes' copies
     auto fill = [&](int pg, const void* p0, const void* p1, bool two, u32 bytes, bool lanes) {
         const u32 dst = ring + (u32)(pg * page), bar = full0 + 8 * pg;
-        if (MOEF_LANES == 0) {
+        if (!MOEF_LANES) {
             page_fill(dst, bar, bytes, two ? 2 : 1, p0, p1);
             return;
         }
         u8* pb = moef_smem + (long)pg * page;
-        if (lanes) {
-            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u) {
+        if (lanes)
+            for (u32 o = 16u * lane; o < bytes; o += 16u * 32u)
                 cp_async16_w(pb + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
-                if (MOEF_LANES == 2) cp_async16_w(pb + o, reinterpret_cast<const u8*>(p0) + o, true);
-            }
-        }
         mbar_arrive_cp_async(bar);
         __syncwarp();
-        if (lane != 0) return;
-        if (MOEF_LANES == 2 && lanes)
-            mbar_arrive(bar);
-        else
-            page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
+        if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
     };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the

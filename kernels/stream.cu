@@ -39,8 +39,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const ui
 // while the other 7 warps stream, a chain of dependent loads past L1 (`ld.global.cg`, as the
 // grid-wide waits read counters) over the block's own 16 KB of `chase`, a line at a time,
 // until the streaming warps are done and at least STREAM_MIN_TRIPS were made, and stores the
-// nanoseconds and the round trips in lat[2 b], lat[2 b + 1] (low 32 bits): what a round trip costs behind
-// a given depth of copies in flight (a routing's loads behind the weight rings).
+// nanoseconds and the round trips in lat[2 b], lat[2 b + 1] (low 32 bits): what a round trip
+// costs behind a given depth of copies in flight (a routing's loads behind the weight rings).
 #define STREAM_MIN_TRIPS 512
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink, u32* chase,

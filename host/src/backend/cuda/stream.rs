@@ -55,7 +55,8 @@ impl CudaBackend {
     /// path: 16-byte loads into registers, and on sm_90+ bulk copies into rings of `units`-byte
     /// pages, 1 to 8 a warp where they fit in shared memory, each page filled each of the
     /// [`FILLS`] ways; then the latency probe (`lat`): L2 round trips timed with nothing
-    /// streaming, then behind rings of 8 KiB pages filled the `mixed` way, 1 to 8 a warp.
+    /// streaming, then behind rings of 8 KiB pages filled the `mixed` way, 1 to 8 a warp where
+    /// they fit.
     pub fn stream_probe(
         &self,
         bytes: usize,
@@ -164,7 +165,7 @@ impl CudaBackend {
                     }
                 }
             }
-            // the latency probe: nothing streaming (ppw 0), then 1 to 8 pages a warp
+            // the latency probe: nothing streaming (ppw 0), then 1 to 8 pages a warp where they fit
             for ppw in 0..=MAX_PPW {
                 let smem = WARPS * ppw.max(1) * LAT_UNIT;
                 if smem > max_smem as usize {
