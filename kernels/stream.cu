@@ -123,3 +123,221 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     if (lane == 0) atomicAdd(&done, 1);
 #endif
 }
+
+// The persistent step's question, asked without a model: can one resident launch stream a
+// chain of dependent GEMVs (each phase's input the output of an earlier phase, met across the
+// grid through counters) at the rate of a bare ring, when one warp a block copies weights
+// ahead across the phases' boundaries and only the other warps wait on the dependencies?
+// `ph` holds `nph` phases of CHAIN_FIELDS ints: rows (of CHAIN_K bf16, two a page), dep (the
+// phase whose outputs are the input, -1 for ones), gate (a phase the copies must wait for, as
+// routed experts' rows wait for the routing; -1 for none), trips (dependent L2 round trips
+// thread 0 makes before the block counts the phase: a latency-bound stage such as the
+// attention's), y0 (the phase's first output in `y`) and u0 (its first page in the weights,
+// wrapped at `wbytes`). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A
+// block's share of a phase is a contiguous range of its pages; the ring is taken in the
+// block's order of pages across phases; a page's `full` barrier completes when its bytes
+// land, its `empty` barrier when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
+// finished phase p (zeroed before the launch), chase holds each block's 16 KB (zeroed).
+#define CHAIN_FIELDS 6
+#define CHAIN_K 2048
+#define CHAIN_PAGE 8192
+#define CHAIN_WARPS 8
+#define CHAIN_THREADS (32 * CHAIN_WARPS + 32)
+#define CHAIN_MAXP 32
+__device__ __forceinline__ u64 gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void chain_bar() { asm volatile("bar.sync 1, %0;" ::"n"(32 * CHAIN_WARPS) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
+    stream_chain(const u8* w, long wbytes, const int* ph, int nph, int pages, int own, int l2, float* y,
+                 u32* cnt, u32* chase, u64* stat) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) u8 chain_smem[];
+    // where a block's time goes (stat[4 b ..]): the launch, thread 0's waits for the phases'
+    // inputs (the counter and the input's load), warp 0's waits for its pages, the copying
+    // lane's waits for a free page (nanoseconds)
+    u64 t_start = gtime(), t_dep = 0, t_page = 0, t_free = 0;
+    __shared__ __align__(8) u64 full[CHAIN_MAXP], empty[CHAIN_MAXP];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    float* xs = reinterpret_cast<float*>(chain_smem + (long)pages * CHAIN_PAGE);
+    const u32 ring = (u32)__cvta_generic_to_shared(chain_smem);
+    const u32 f0 = (u32)__cvta_generic_to_shared(full), e0 = (u32)__cvta_generic_to_shared(empty);
+    if (threadIdx.x == 0) {
+        for (int p = 0; p < pages; p++) {
+            mbar_init(f0 + 8 * p, 1);
+            mbar_init(e0 + 8 * p, 1);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    // `own` > 0: no copying warp; each computing warp owns `own` pages and copies its own
+    // units, unit k + own into the page unit k leaves (as `moe_ffn1`'s warps do), walking the
+    // phases ahead of its reads (lane 0 keeps the place: phase cp, unit ci of its ce)
+    int cp = 0, gated = -1;
+    long ci = 0, ce = 0;
+    auto place = [&]() {
+        for (; cp < nph; cp++) {
+            const long n = ph[CHAIN_FIELDS * cp] / 2, a = n * b / G, e = n * (b + 1) / G;
+            if (ci == 0) ci = a + warp;  // (a phase's first visit)
+            if (ci < e) {
+                ce = e;
+                return;
+            }
+            ci = 0;
+        }
+    };
+    // lane 0 copies units while the warp's ring has room (`done`: units the warp has read);
+    // a routed phase's units wait for their gate, without blocking unless the warp needs
+    // the unit now (it has then finished every earlier phase, so the wait cannot be on it)
+    long issued = 0;
+    auto pump = [&](long done, bool need) {
+        while (cp < nph && issued < done + own) {
+            const int* q = ph + CHAIN_FIELDS * cp;
+            if (q[2] >= 0 && gated != cp) {
+                if (need && issued == done)
+                    wait_count(cnt + q[2], (u32)G);
+                else if (ld_acquire_u32(cnt + q[2]) < (u32)G)
+                    return;
+                gated = cp;
+            }
+            const int pg = warp * own + (int)(issued % own);
+            const long off = (((long)(u32)q[5] + ci) * CHAIN_PAGE) % wbytes;
+            page_fill(ring + (u32)pg * CHAIN_PAGE, f0 + 8 * pg, CHAIN_PAGE, 1, w + off);
+            issued++;
+            ci += CHAIN_WARPS;
+            if (ci >= ce) {
+                cp++;
+                ci = 0;
+            }
+            place();
+        }
+    };
+    if (own > 0 && warp < CHAIN_WARPS && lane == 0) {
+        place();
+        pump(0, false);
+    }
+    if (warp == CHAIN_WARPS) {
+        if (lane != 0 || own > 0) return;
+        long seq = 0, lseq = 0, li = 0;
+        int lp = -1;
+        for (int p = 0; p < nph; p++) {
+            const int* q = ph + CHAIN_FIELDS * p;
+            const long n = q[0] / 2, a = n * b / G, e = n * (b + 1) / G;
+            if (e > a && q[2] >= 0) wait_count(cnt + q[2], (u32)G);
+            for (long i = a; i < e; i++, seq++) {
+                // `l2` pages further on asked into L2 (the prefetch's place: phase lp, unit
+                // li), as far as no routed phase's gate is still closed
+                if (l2 > 0) {
+                    if (lp < 0) lp = p, li = a;
+                    for (; lp < nph && lseq < seq + pages + l2; lseq++) {
+                        const int* lq = ph + CHAIN_FIELDS * lp;
+                        const long ln = lq[0] / 2, la = ln * b / G, le = ln * (b + 1) / G;
+                        if (li < la) li = la;
+                        if (li >= le) {
+                            lp++;
+                            li = -1;
+                            lseq--;
+                            continue;
+                        }
+                        if (lq[2] >= 0 && lp > p && ld_acquire_u32(cnt + lq[2]) < (u32)G) break;
+                        if (lseq >= seq + pages)
+                            prefetch_l2_bulk(w + (((long)(u32)lq[5] + li) * CHAIN_PAGE) % wbytes, CHAIN_PAGE);
+                        li++;
+                    }
+                }
+                const int pg = (int)(seq % pages);
+                if (seq >= pages) {
+                    const u64 t0 = gtime();
+                    mbar_wait(e0 + 8 * pg, (u32)((seq / pages - 1) & 1));
+                    t_free += gtime() - t0;
+                }
+                const long off = (((long)(u32)q[5] + i) * CHAIN_PAGE) % wbytes;
+                page_fill(ring + (u32)pg * CHAIN_PAGE, f0 + 8 * pg, CHAIN_PAGE, 1, w + off);
+            }
+        }
+        stat[4 * b + 3] = t_free;
+        return;
+    }
+    long seq = 0, kw = 0;  // the block's pages and (`own`) the warp's, taken so far
+    for (int p = 0; p < nph; p++) {
+        const int* q = ph + CHAIN_FIELDS * p;
+        const int rows = q[0], dep = q[1], trips = q[3];
+        const u64 t0 = gtime();
+        if (dep >= 0 && threadIdx.x == 0) wait_count(cnt + dep, (u32)G);
+        chain_bar();
+        if (rows > 0) {
+            const int* d = ph + CHAIN_FIELDS * (dep >= 0 ? dep : 0);
+            for (int k = threadIdx.x; k < CHAIN_K; k += 32 * CHAIN_WARPS)
+                xs[k] = dep >= 0 ? ld_cg(y + d[4] + k % d[0]) : 1.0f;
+            chain_bar();
+        }
+        t_dep += gtime() - t0;
+        // the lane's 64 input values for the phase, in registers
+        float xr[64];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int h = 0; h < 8; h++) xr[8 * j + h] = rows > 0 ? xs[j * 256 + lane * 8 + h] : 0.f;
+        if (trips > 0 && threadIdx.x == 0) {
+            u32* cb = chase + (long)b * 4096;
+            u32 off = 0;
+            for (int t = 0; t < trips; t++) {
+                u32 v;
+                asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(cb + off));
+                off = (off + 32u + v) & 4095u;
+            }
+            if (off == 1u) cb[0] = off;  // (never: 32-word steps; keeps the chain's loads)
+        }
+        const long n = rows / 2, a = n * b / G, e = n * (b + 1) / G;
+        for (long i = a + warp; i < e; i += CHAIN_WARPS) {
+            const long s = own > 0 ? kw : seq + (i - a);
+            const int pg = own > 0 ? warp * own + (int)(kw % own) : (int)(s % pages);
+            if (own > 0 && lane == 0) pump(kw, true);
+            const u64 t1 = gtime();
+            mbar_wait(f0 + 8 * pg, (u32)((own > 0 ? kw / own : s / pages) & 1));
+            t_page += gtime() - t1;
+            kw++;
+            const u8* page = chain_smem + (long)pg * CHAIN_PAGE;
+            float acc[2] = {0.f, 0.f};
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const uint4 v = *reinterpret_cast<const uint4*>(page + j * 512 + lane * 16);
+                const float* x = xr + 8 * (j & 7);
+                const u32 wd[4] = {v.x, v.y, v.z, v.w};
+                float s2 = 0.f;
+#pragma unroll
+                for (int h = 0; h < 4; h++)
+                    s2 += __uint_as_float(wd[h] << 16) * x[2 * h] + __uint_as_float(wd[h] & 0xffff0000u) * x[2 * h + 1];
+                acc[j >> 3] += s2;
+            }
+            __syncwarp();
+            if (lane == 0) {
+                if (own > 0)
+                    pump(kw, false);
+                else
+                    mbar_arrive(e0 + 8 * pg);
+            }
+            acc[0] = warp_sum(acc[0]);
+            acc[1] = warp_sum(acc[1]);
+            if (lane == 0) {
+                y[q[4] + 2 * i] = acc[0];
+                y[q[4] + 2 * i + 1] = acc[1];
+            }
+        }
+        seq += e - a;
+        chain_bar();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(cnt + p, 1u);
+        }
+    }
+    if (threadIdx.x == 0) {
+        stat[4 * b] = gtime() - t_start;
+        stat[4 * b + 1] = t_dep;
+        stat[4 * b + 2] = t_page;
+    }
+#endif
+}

@@ -76,8 +76,9 @@ pub enum BenchMode {
     /// loads into registers, and rings of shared-memory pages of each size, 1 to 8 a warp,
     /// filled by bulk copies (whole, by halves, or by halves from two places), the lanes'
     /// `cp.async` copies or both; then an L2 round trip's time with nothing streaming and
-    /// behind 8 KiB rings 1 to 3 pages deep (CUDA; one line a path, JSON records with
-    /// --output).
+    /// behind 8 KiB rings 1 to 3 pages deep; then a Moonlight step's weight rows as one
+    /// resident launch of dependent GEMVs, what a persistent step could stream (CUDA; one
+    /// line a path, JSON records with --output).
     Stream {
         /// Bytes read a launch, MiB (several times the L2's size).
         #[arg(long, default_value_t = 1024)]
@@ -399,18 +400,23 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
         a.repeats
     );
     println!("path  page_kib  pages/warp  fill  in_flight_kib/SM   TB/s  L2 round trip ns");
+    // (chain rows: pages a block, the shape in place of the fill, µs a layer last)
     for p in &points {
         // TB/s of the median launch (the latency probe's: of its streaming warps)
         let rate = Summary::of(&p.seconds).map_or(0.0, |t| p.bytes as f64 / t.median / 1e12);
         let trip = Summary::of(&p.round_trip_ns).map(|t| t.median);
-        // (register loads fill no pages)
+        // (register loads fill no pages; a chain row names its shape)
         let fill = match p.path {
             "ring" | "lat" => crate::backend::cuda::STREAM_FILLS
                 .get(p.mode)
                 .copied()
                 .unwrap_or("?"),
+            "chain" => p.variant.as_str(),
             _ => "-",
         };
+        let layer_us = Summary::of(&p.seconds)
+            .filter(|_| p.layers > 0)
+            .map(|t| t.median * 1e6 / p.layers as f64);
         println!(
             "{:<5} {:>8} {:>11} {:>5} {:>17} {:>7.3} {:>17}",
             p.path,
@@ -419,7 +425,23 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
             fill,
             p.in_flight / 1024,
             rate,
-            trip.map_or("-".to_string(), |t| format!("{t:.0}"))
+            match (trip, layer_us) {
+                (Some(t), _) => format!("{t:.0}"),
+                (None, Some(us)) => {
+                    // shares of the launch spent waiting: inputs, pages, a free page
+                    let w = |k: usize| {
+                        let v: Vec<f64> = p.waits.iter().map(|w| w[k]).collect();
+                        Summary::of(&v).map_or(f64::NAN, |s| s.median * 100.0)
+                    };
+                    format!(
+                        "{us:.1} us/layer  wait in/page/free {:.0}/{:.0}/{:.0}%",
+                        w(0),
+                        w(1),
+                        w(2)
+                    )
+                }
+                _ => "-".to_string(),
+            }
         );
         if let Some(s) = sink.as_mut() {
             let rec = serde_json::json!({
@@ -436,6 +458,10 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
                 "median_tb_s": rate,
                 "round_trip_ns": p.round_trip_ns,
                 "median_round_trip_ns": trip,
+                "variant": p.variant,
+                "layers": p.layers,
+                "median_layer_us": layer_us,
+                "wait_shares": p.waits,
             });
             writeln!(s, "{rec}")?;
         }

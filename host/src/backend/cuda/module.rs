@@ -518,9 +518,11 @@ pub struct Module {
     pub gemt_swiglu: [KernelId; 5],
     /// The read-rate probes of `deepinfer bench stream` (`kernels/stream.cu`): 16-byte loads
     /// into registers, and bulk copies into rings of shared-memory pages (sm_90+, with the
-    /// dynamic shared memory it may ask for).
+    /// dynamic shared memory it may ask for), and the chain of dependent GEMVs a persistent
+    /// launch would stream (sm_90+, likewise).
     pub stream_ldg: KernelId,
     pub stream_ring: Option<(KernelId, u32)>,
+    pub stream_chain: Option<(KernelId, u32)>,
 }
 
 impl Module {
@@ -772,10 +774,13 @@ impl Module {
             get("mla_x_attn".into())?,
         ];
         let stream_ldg = get("stream_ldg".into())?;
-        let stream_ring = if major >= 9 {
-            Some(get("stream_ring".into())?)
+        let (stream_ring, stream_chain) = if major >= 9 {
+            (
+                Some(get("stream_ring".into())?),
+                Some(get("stream_chain".into())?),
+            )
         } else {
-            None
+            (None, None)
         };
         let mut gemt = [KernelId(0); 5];
         let mut gemt_swiglu = [KernelId(0); 5];
@@ -834,9 +839,11 @@ impl Module {
             }
             .map_err(|e| cuda_err("raising a kernel's shared memory limit", e))?;
         }
-        let stream_ring = stream_ring.and_then(|k| {
+        let raise = |k: KernelId| {
             raise_dyn_smem(funcs[k.0 as usize].cu_function(), max_smem, usize::MAX).map(|s| (k, s))
-        });
+        };
+        let stream_ring = stream_ring.and_then(raise);
+        let stream_chain = stream_chain.and_then(raise);
         for ds in deepseek.iter_mut() {
             let kernels = [ds.moe_route_decc[0], ds.moe_route_decc[1], ds.moe_route1c];
             for (k, own) in kernels.iter().zip(ds.route_own_smem.iter_mut()) {
@@ -872,6 +879,7 @@ impl Module {
         Ok(Module {
             stream_ldg,
             stream_ring,
+            stream_chain,
             funcs,
             names,
             trace_table,

@@ -5,7 +5,9 @@
 //! ceiling each path reaches on the machine is what the kernels' phases are measured against
 //! (doc/benchmarks.md). The latency probe times a chain of L2 round trips in every block
 //! while 7 of its 8 warps stream through rings of each depth: what a grid-wide wait's loads
-//! cost behind the copies a launch keeps in flight.
+//! cost behind the copies a launch keeps in flight. The chain probe asks what a persistent
+//! step launch could stream: a Moonlight layer's weight rows as a chain of dependent GEMVs in
+//! one resident launch, one warp a block copying ahead across the phases' boundaries.
 
 use super::queue::Op;
 use super::CudaBackend;
@@ -48,6 +50,112 @@ pub struct StreamPoint {
     /// `lat`: each measured launch's median over blocks of the nanoseconds an L2 round trip
     /// took while the block's other warps streamed.
     pub round_trip_ns: Vec<f64>,
+    /// `chain`: the shape ([`chain_phases`]: `free`, `dense`, or `moe/` and the attention's
+    /// round trips; `+own` where each warp copies its own pages, `mode` a warp) and its
+    /// layers (empty and 0 otherwise).
+    pub variant: String,
+    pub layers: usize,
+    /// `chain`: each measured launch's median over blocks of the share of the launch thread 0
+    /// waited for its phases' inputs, warp 0 for its pages, and the copying lane for a free
+    /// page (0 where the warps copy their own).
+    pub waits: Vec<[f64; 3]>,
+}
+
+/// Bytes a page of the chain probe (two rows of [`CHAIN_K`] bf16).
+const CHAIN_PAGE: usize = 8192;
+/// Elements a row of the chain probe (`CHAIN_K`).
+pub const CHAIN_K: usize = 2048;
+/// Threads of a chain block: 8 computing warps and the copying warp (`CHAIN_THREADS`).
+const CHAIN_THREADS: u32 = 288;
+/// Most ring pages a chain block (`CHAIN_MAXP`).
+const CHAIN_MAXP: usize = 32;
+/// MoE layers of the chain probe (Moonlight's 27 less the dense first).
+pub const CHAIN_LAYERS: usize = 26;
+
+/// One phase of the chain probe (`stream_chain`'s fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainPhase {
+    /// Rows of [`CHAIN_K`] bf16 (even), 0 for a latency stage.
+    pub rows: usize,
+    /// The phase whose outputs are this one's input (`None`: the first).
+    pub dep: Option<usize>,
+    /// A phase the copies of this one's rows wait for (a routing), if any.
+    pub gate: Option<usize>,
+    /// Dependent L2 round trips each block makes before counting the phase done.
+    pub trips: usize,
+}
+
+/// The chain probe's phases for `layers` Moonlight MoE layers, as rows of 2,048 bf16 (a
+/// layer's 162 MB of weights). `trips: None` (`dense`): four products each taking the one
+/// before as its input (q/kv_a 3,648 rows, o 2,048, the 8 experts' gate/up 22,528, their down
+/// 11,264). `Some(t)` (`moe/t`): the layer's dependencies — the attention a stage of `t`
+/// round trips after q/kv_a, o after it; the router (64 rows) and the shared experts' gate/up
+/// (5,632) from o's output; the routed experts' gate/up (16,896), whose rows are copied only
+/// once the router is done; their down after every gate/up; the next layer's q/kv_a after the
+/// down.
+pub fn chain_phases(layers: usize, trips: Option<usize>) -> Vec<ChainPhase> {
+    chain_shape(layers, trips, true)
+}
+
+/// [`chain_phases`], or with `linked` false the dense chain's rows with no phase waiting for
+/// another (`free`: what the launch's copies and products stream without the meetings).
+fn chain_shape(layers: usize, trips: Option<usize>, linked: bool) -> Vec<ChainPhase> {
+    let mut v: Vec<ChainPhase> = Vec::new();
+    let mut push = |rows: usize, dep: Option<usize>, gate: Option<usize>, trips: usize| {
+        v.push(ChainPhase {
+            rows,
+            dep,
+            gate,
+            trips,
+        });
+        v.len() - 1
+    };
+    let mut last: Option<usize> = None;
+    if !linked {
+        return (0..layers)
+            .flat_map(|_| [3648, 2048, 22528, 11264])
+            .map(|rows| ChainPhase {
+                rows,
+                dep: None,
+                gate: None,
+                trips: 0,
+            })
+            .collect();
+    }
+    for _ in 0..layers {
+        let qkv = push(3648, last, None, 0);
+        last = Some(match trips {
+            None => {
+                let o = push(2048, Some(qkv), None, 0);
+                let gu = push(22528, Some(o), None, 0);
+                push(11264, Some(gu), None, 0)
+            }
+            Some(t) => {
+                let attn = push(0, Some(qkv), None, t);
+                let o = push(2048, Some(attn), None, 0);
+                let router = push(64, Some(o), None, 0);
+                push(5632, Some(o), None, 0);
+                let routed = push(16896, Some(o), Some(router), 0);
+                push(11264, Some(routed), None, 0)
+            }
+        });
+    }
+    v
+}
+
+/// `stream_chain`'s phase table: per phase rows, dep, gate, trips (-1 for none), the first
+/// output's index and the first page's index (in the order the phases come).
+fn chain_table(phases: &[ChainPhase]) -> Vec<i32> {
+    let (mut y0, mut u0) = (0usize, 0usize);
+    let opt = |o: Option<usize>| o.map_or(-1, |v| v as i32);
+    let mut t = Vec::with_capacity(phases.len() * 6);
+    for p in phases {
+        t.extend([p.rows as i32, opt(p.dep), opt(p.gate), p.trips as i32]);
+        t.extend([y0 as i32, u0 as i32]);
+        y0 += p.rows;
+        u0 += p.rows * CHAIN_K * 2 / CHAIN_PAGE;
+    }
+    t
 }
 
 impl CudaBackend {
@@ -84,14 +192,18 @@ impl CudaBackend {
         // the latency probe's 16 KB a block and its (ns, trips) a block
         let chase = inner.scratch(m.sms * 16 * 1024, 16)?;
         let lat = inner.scratch(m.sms * 16, 16)?;
+        // the chain probe's four times a block
+        let stat = inner.scratch(m.sms * 4, 8)?;
         let mut points = Vec::new();
         inner.flush()?;
         inner.sync()?;
         let mut measure =
-            |mut p: StreamPoint, op: &dyn Fn() -> Op| -> Result<()> {
+            |mut p: StreamPoint, ops: &dyn Fn() -> Vec<Op>| -> Result<()> {
                 for r in 0..=repeats {
                     let before = inner.queue().stats.device_s;
-                    inner.push(op());
+                    for op in ops() {
+                        inner.push(op);
+                    }
                     inner.flush()?;
                     inner.sync()?;
                     let after = inner.queue().stats.device_s;
@@ -101,6 +213,13 @@ impl CudaBackend {
                             p.round_trip_ns.push(median_round_trip(
                                 &super::sample::download::<u64>(inner, lat.ptr(), 2 * m.sms)?,
                             ));
+                        }
+                        if p.path == "chain" {
+                            p.waits.push(wait_shares(&super::sample::download::<u64>(
+                                inner,
+                                stat.ptr(),
+                                4 * m.sms,
+                            )?));
                         }
                     }
                 }
@@ -118,15 +237,20 @@ impl CudaBackend {
             seconds: Vec::new(),
             bytes,
             round_trip_ns: Vec::new(),
+            variant: String::new(),
+            layers: 0,
+            waits: Vec::new(),
         };
         let (src, out) = (buf.ptr(), sink.ptr());
         let result = (|| {
-            measure(ldg, &|| Op::Launch {
-                kernel: m.stream_ldg,
-                grid: [sms * 8, 1, 1],
-                block: THREADS,
-                smem: 0,
-                args: vec![src, (bytes / 16) as u64, out],
+            measure(ldg, &|| {
+                vec![Op::Launch {
+                    kernel: m.stream_ldg,
+                    grid: [sms * 8, 1, 1],
+                    block: THREADS,
+                    smem: 0,
+                    args: vec![src, (bytes / 16) as u64, out],
+                }]
             })?;
             let Some((ring, max_smem)) = m.stream_ring else {
                 return Ok(());
@@ -160,8 +284,11 @@ impl CudaBackend {
                             seconds: Vec::new(),
                             bytes,
                             round_trip_ns: Vec::new(),
+                            variant: String::new(),
+                            layers: 0,
+                            waits: Vec::new(),
                         };
-                        measure(p, &|| ring_op(bytes, unit, ppw, mode, [0, 0]))?;
+                        measure(p, &|| vec![ring_op(bytes, unit, ppw, mode, [0, 0])])?;
                     }
                 }
             }
@@ -181,11 +308,126 @@ impl CudaBackend {
                     seconds: Vec::new(),
                     bytes: streamed,
                     round_trip_ns: Vec::new(),
+                    variant: String::new(),
+                    layers: 0,
+                    waits: Vec::new(),
                 };
                 let probe = [chase.ptr(), lat.ptr()];
                 measure(p, &|| {
-                    ring_op(streamed, LAT_UNIT, ppw.max(1), LAT_MODE, probe)
+                    vec![ring_op(streamed, LAT_UNIT, ppw.max(1), LAT_MODE, probe)]
                 })?;
+            }
+            // the chain probe: the dense chain at three ring depths, then the layer's
+            // dependencies with the attention 0, 8 and 24 round trips long
+            let Some((chain, chain_smem)) = m.stream_chain else {
+                return Ok(());
+            };
+            let most = (chain_smem as usize / CHAIN_PAGE)
+                .saturating_sub(1)
+                .min(CHAIN_MAXP);
+            if most < 2 {
+                return Ok(());
+            }
+            let cnt = inner.scratch(chain_phases(CHAIN_LAYERS, Some(0)).len(), 4)?;
+            let rows_most = chain_phases(CHAIN_LAYERS, Some(0))
+                .iter()
+                .map(|p| p.rows)
+                .sum::<usize>();
+            let y = inner.scratch(rows_most, 4)?;
+            // (shape, ring pages of the block, pages a warp where the warps copy their own)
+            // (shape, ring pages of the block, pages a warp where the warps copy their own,
+            // pages further on the copying lane asks into L2)
+            let variants = [
+                (None, false, most, 0, 0),
+                (None, false, 24, 3, 0),
+                (None, true, 8.min(most), 0, 0),
+                (None, true, most, 0, 0),
+                (None, true, 24, 3, 0),
+                (None, true, most, 0, 16),
+                (None, true, most, 0, 48),
+                (Some(0), true, most, 0, 0),
+                (Some(8), true, most, 0, 0),
+                (Some(24), true, most, 0, 0),
+                (Some(8), true, 24, 3, 0),
+                (Some(8), true, most, 0, 16),
+                (Some(8), true, most, 0, 48),
+            ];
+            for (trips, linked, pages, own, l2) in variants {
+                if pages > most {
+                    continue;
+                }
+                let phases = chain_shape(CHAIN_LAYERS, trips, linked);
+                let table = chain_table(&phases);
+                let tb = inner.scratch(table.len(), 4)?;
+                inner.push(Op::Upload {
+                    ptr: tb.ptr(),
+                    data: table.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                });
+                let streamed = phases.iter().map(|p| p.rows).sum::<usize>() * CHAIN_K * 2;
+                let p = StreamPoint {
+                    path: "chain",
+                    unit: CHAIN_PAGE,
+                    pages,
+                    mode: own,
+                    in_flight: pages * CHAIN_PAGE,
+                    seconds: Vec::new(),
+                    bytes: streamed,
+                    round_trip_ns: Vec::new(),
+                    variant: match (trips, linked) {
+                        (_, false) => "free".to_string(),
+                        (None, true) => "dense".to_string(),
+                        (Some(t), true) => format!("moe/{t}"),
+                    } + &if own > 0 {
+                        "+own".to_string()
+                    } else if l2 > 0 {
+                        format!("+l2/{l2}")
+                    } else {
+                        String::new()
+                    },
+                    layers: CHAIN_LAYERS,
+                    waits: Vec::new(),
+                };
+                let args = vec![
+                    src,
+                    bytes as u64,
+                    tb.ptr(),
+                    phases.len() as u64,
+                    pages as u64,
+                    own as u64,
+                    l2 as u64,
+                    y.ptr(),
+                    cnt.ptr(),
+                    chase.ptr(),
+                    stat.ptr(),
+                ];
+                // counters, the round trips' lines and the times zeroed, then the launch (timed
+                // together: the small memsets are a few µs of a launch of milliseconds)
+                let (cnt_ptr, chase_ptr, cnt_bytes) = (cnt.ptr(), chase.ptr(), phases.len() * 4);
+                let stat_ptr = stat.ptr();
+                let ops = move || {
+                    vec![
+                        Op::Memset {
+                            ptr: cnt_ptr,
+                            bytes: cnt_bytes,
+                        },
+                        Op::Memset {
+                            ptr: chase_ptr,
+                            bytes: sms as usize * 16 * 1024,
+                        },
+                        Op::Memset {
+                            ptr: stat_ptr,
+                            bytes: sms as usize * 4 * 8,
+                        },
+                        Op::Launch {
+                            kernel: chain,
+                            grid: [sms, 1, 1],
+                            block: CHAIN_THREADS,
+                            smem: ((pages + 1) * CHAIN_PAGE) as u32,
+                            args: args.clone(),
+                        },
+                    ]
+                };
+                measure(p, &ops)?;
             }
             Ok(())
         })();
@@ -211,9 +453,75 @@ fn median_round_trip(pairs: &[u64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median over blocks of each share of the chain probe's launch (`stat`: a block's
+/// launch, input, page and free-page nanoseconds; blocks with no time left out).
+fn wait_shares(stat: &[u64]) -> [f64; 3] {
+    let mut out = [f64::NAN; 3];
+    for (k, o) in out.iter_mut().enumerate() {
+        let mut v: Vec<f64> = stat
+            .chunks_exact(4)
+            .filter(|b| b[0] > 0)
+            .map(|b| b[k + 1] as f64 / b[0] as f64)
+            .collect();
+        if !v.is_empty() {
+            v.sort_by(f64::total_cmp);
+            *o = v[v.len() / 2];
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::median_round_trip;
+    use super::{chain_phases, chain_table, median_round_trip, wait_shares, CHAIN_K};
+
+    #[test]
+    fn wait_shares_are_each_share_of_the_median_block() {
+        let s = wait_shares(&[100, 10, 20, 30, 200, 100, 0, 0, 0, 5, 5, 5, 400, 40, 40, 40]);
+        assert_eq!(s, [0.1, 0.1, 0.1]);
+        assert!(wait_shares(&[0, 1, 1, 1])[0].is_nan());
+    }
+
+    #[test]
+    fn chain_phases_carry_a_moonlight_layer_and_its_dependencies() {
+        let row = CHAIN_K * 2;
+        let dense = chain_phases(2, None);
+        assert_eq!(dense.len(), 8);
+        let moe = chain_phases(2, Some(8));
+        assert_eq!(moe.len(), 14);
+        // a layer's rows: q/kv_a, o, the router, 8 experts' gate/up and down (162 MB)
+        let bytes = |v: &[super::ChainPhase]| v.iter().map(|p| p.rows).sum::<usize>() * row / 2;
+        assert_eq!(bytes(&moe), (3648 + 2048 + 64 + 22528 + 11264) * row);
+        assert_eq!(bytes(&dense) + 64 * row, bytes(&moe));
+        // every phase depends on an earlier one; only the routed gate/up waits to copy
+        for v in [&dense, &moe] {
+            assert_eq!(v[0].dep, None);
+            assert!(v
+                .iter()
+                .enumerate()
+                .skip(1)
+                .all(|(i, p)| p.dep.is_some_and(|d| d < i)));
+        }
+        let gated: Vec<_> = moe
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.gate.is_some())
+            .collect();
+        assert_eq!(gated.len(), 2);
+        let (i, p) = gated[0];
+        assert_eq!((p.rows, p.gate, p.dep), (16896, Some(i - 2), Some(i - 3)));
+        assert_eq!(moe[1].rows, 0);
+        assert_eq!(moe[1].trips, 8);
+        // the second layer's q/kv_a takes the first layer's down output
+        assert_eq!(moe[7].dep, Some(6));
+        // the table: outputs and pages laid one phase after another
+        let t = chain_table(&moe);
+        assert_eq!(t.len(), 14 * 6);
+        assert_eq!(&t[..6], &[3648, -1, -1, 0, 0, 0]);
+        assert_eq!(&t[6..12], &[0, 0, -1, 8, 3648, 1824]);
+        assert_eq!(&t[12..18], &[2048, 1, -1, 0, 3648, 1824]);
+        assert_eq!(t[5 * 6 + 2], 3);
+    }
 
     #[test]
     fn round_trips_are_the_median_block_and_blocks_without_trips_are_left_out() {
