@@ -123,6 +123,13 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
+// The GPU's nanosecond clock (`%globaltimer`).
+__device__ __forceinline__ u64 gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Waits (one thread) until the counter at `p` reaches `n`, with ld_acquire_u32's visibility.
 // Grids that wait on each other's blocks assume every block resident at once; where that
 // does not hold (another grid of the kind holding SMs, fewer SMs lent than the device has)
@@ -133,8 +140,7 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     for (u32 k = 1; ld_acquire_u32(p) < n; k++) {
         __nanosleep(32);
         if ((k & 4095) == 0) {
-            u64 t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            const u64 t = gtime();
             if (t0 == 0)
                 t0 = t;
             else if (t - t0 > 5000000000ull)
@@ -470,9 +476,9 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
     // sampled across heads and ranks, not one head's whole cluster
     const u64 b = blockIdx.y + (u64)gridDim.y * (blockIdx.x + (u64)gridDim.x * blockIdx.z);
     if ((b ^ (b >> 4)) & 15) return;
-    u64 g, t;
+    u64 g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const u64 t = gtime();
     const u64 key = g + 1;
     // The block's record, found once: the claim (a compare-and-swap whose result the thread
     // waits for, a round trip to L2 that a loaded memory makes long) is paid by the block's

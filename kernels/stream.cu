@@ -42,6 +42,13 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS) stream_ldg(const ui
 // nanoseconds and the round trips in lat[2 b], lat[2 b + 1] (low 32 bits): what a round trip
 // costs behind a given depth of copies in flight (a routing's loads behind the weight rings).
 #define STREAM_MIN_TRIPS 512
+// One L2 round trip of a chase over a block's 16 KB `cb` (zeroed): the load past L1 at word
+// `off`, then the next line's word, found only once the load is back (its value is 0).
+__device__ __forceinline__ u32 chase_step(const u32* cb, u32 off) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(cb + off));
+    return (off + 32u + v) & 4095u;
+}
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
     stream_ring(const u8* src, long bytes, int unit, int ppw, int mode, unsigned* sink, u32* chase,
                 unsigned long long* lat) {
@@ -66,19 +73,14 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
         if (lane != 0) return;
         u32* cb = chase + (long)b * 4096;
         for (int i = 0; i < 4096; i += 32) cb[i] = 0u;
-        u64 t0, t1;
         u32 off = 0, trips = 0;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        const u64 t0 = gtime();
         while (trips < STREAM_MIN_TRIPS || *reinterpret_cast<volatile int*>(&done) < SW) {
 #pragma unroll 1
-            for (int k = 0; k < 16; k++) {
-                u32 v;
-                asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(cb + off));
-                off = (off + 32u + v) & 4095u;  // v is 0: the next line, after this load
-            }
+            for (int k = 0; k < 16; k++) off = chase_step(cb, off);
             trips += 16;
         }
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+        const u64 t1 = gtime();
         lat[2 * b] = t1 - t0;
         lat[2 * b + 1] = trips | (u64)off << 32;  // (the chain's end kept: unused, its loads would go)
         return;
@@ -136,19 +138,15 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // wrapped at `wbytes`). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A
 // block's share of a phase is a contiguous range of its pages; the ring is taken in the
 // block's order of pages across phases; a page's `full` barrier completes when its bytes
-// land, its `empty` barrier when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
-// finished phase p (zeroed before the launch), chase holds each block's 16 KB (zeroed).
+// land, its `empty` barrier when the warp that read it is done (with `own`, see below).
+// cnt[p] counts the blocks that finished phase p (zeroed before the launch), chase holds
+// each block's 16 KB (zeroed).
 #define CHAIN_FIELDS 6
 #define CHAIN_K 2048
 #define CHAIN_PAGE 8192
 #define CHAIN_WARPS 8
 #define CHAIN_THREADS (32 * CHAIN_WARPS + 32)
 #define CHAIN_MAXP 32
-__device__ __forceinline__ u64 gtime() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 __device__ __forceinline__ void chain_bar() { asm volatile("bar.sync 1, %0;" ::"n"(32 * CHAIN_WARPS) : "memory"); }
 
 extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
@@ -284,11 +282,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         if (trips > 0 && threadIdx.x == 0) {
             u32* cb = chase + (long)b * 4096;
             u32 off = 0;
-            for (int t = 0; t < trips; t++) {
-                u32 v;
-                asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(cb + off));
-                off = (off + 32u + v) & 4095u;
-            }
+            for (int t = 0; t < trips; t++) off = chase_step(cb, off);
             if (off == 1u) cb[0] = off;  // (never: 32-word steps; keeps the chain's loads)
         }
         const long n = rows / 2, a = n * b / G, e = n * (b + 1) / G;

@@ -403,7 +403,10 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
     // (chain rows: pages a block, the shape in place of the fill, µs a layer last)
     for p in &points {
         // TB/s of the median launch (the latency probe's: of its streaming warps)
-        let rate = Summary::of(&p.seconds).map_or(0.0, |t| p.bytes as f64 / t.median / 1e12);
+        let launch = Summary::of(&p.seconds);
+        let rate = launch
+            .as_ref()
+            .map_or(0.0, |t| p.bytes as f64 / t.median / 1e12);
         let trip = Summary::of(&p.round_trip_ns).map(|t| t.median);
         // (register loads fill no pages; a chain row names its shape)
         let fill = match p.path {
@@ -414,7 +417,7 @@ fn stream(a: &BenchArgs, mib: usize, pages_kib: &[usize]) -> anyhow::Result<()> 
             "chain" => p.variant.as_str(),
             _ => "-",
         };
-        let layer_us = Summary::of(&p.seconds)
+        let layer_us = launch
             .filter(|_| p.layers > 0)
             .map(|t| t.median * 1e6 / p.layers as f64);
         println!(

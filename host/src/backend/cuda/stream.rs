@@ -61,6 +61,32 @@ pub struct StreamPoint {
     pub waits: Vec<[f64; 3]>,
 }
 
+impl StreamPoint {
+    /// A point of `path` before its launches, with no latency or chain fields.
+    fn new(
+        path: &'static str,
+        unit: usize,
+        pages: usize,
+        mode: usize,
+        in_flight: usize,
+        bytes: usize,
+    ) -> Self {
+        StreamPoint {
+            path,
+            unit,
+            pages,
+            mode,
+            in_flight,
+            seconds: Vec::new(),
+            bytes,
+            round_trip_ns: Vec::new(),
+            variant: String::new(),
+            layers: 0,
+            waits: Vec::new(),
+        }
+    }
+}
+
 /// Bytes a page of the chain probe (two rows of [`CHAIN_K`] bf16).
 const CHAIN_PAGE: usize = 8192;
 /// Elements a row of the chain probe (`CHAIN_K`).
@@ -100,6 +126,13 @@ pub fn chain_phases(layers: usize, trips: Option<usize>) -> Vec<ChainPhase> {
 /// [`chain_phases`], or with `linked` false the dense chain's rows with no phase waiting for
 /// another (`free`: what the launch's copies and products stream without the meetings).
 fn chain_shape(layers: usize, trips: Option<usize>, linked: bool) -> Vec<ChainPhase> {
+    if !linked {
+        let unlink = |p: ChainPhase| ChainPhase { dep: None, ..p };
+        return chain_shape(layers, None, true)
+            .into_iter()
+            .map(unlink)
+            .collect();
+    }
     let mut v: Vec<ChainPhase> = Vec::new();
     let mut push = |rows: usize, dep: Option<usize>, gate: Option<usize>, trips: usize| {
         v.push(ChainPhase {
@@ -111,17 +144,6 @@ fn chain_shape(layers: usize, trips: Option<usize>, linked: bool) -> Vec<ChainPh
         v.len() - 1
     };
     let mut last: Option<usize> = None;
-    if !linked {
-        return (0..layers)
-            .flat_map(|_| [3648, 2048, 22528, 11264])
-            .map(|rows| ChainPhase {
-                rows,
-                dep: None,
-                gate: None,
-                trips: 0,
-            })
-            .collect();
-    }
     for _ in 0..layers {
         let qkv = push(3648, last, None, 0);
         last = Some(match trips {
@@ -227,20 +249,8 @@ impl CudaBackend {
                 Ok(())
             };
         inner.queue().timing = true;
-        let ldg = StreamPoint {
-            path: "ldg",
-            unit: 0,
-            pages: 0,
-            mode: 0,
-            // 8 loads of 16 bytes a thread, 8 blocks an SM (the grid is one wave of them)
-            in_flight: 8 * 8 * 16 * THREADS as usize,
-            seconds: Vec::new(),
-            bytes,
-            round_trip_ns: Vec::new(),
-            variant: String::new(),
-            layers: 0,
-            waits: Vec::new(),
-        };
+        // 8 loads of 16 bytes a thread, 8 blocks an SM (the grid is one wave of them)
+        let ldg = StreamPoint::new("ldg", 0, 0, 0, 8 * 8 * 16 * THREADS as usize, bytes);
         let (src, out) = (buf.ptr(), sink.ptr());
         let result = (|| {
             measure(ldg, &|| {
@@ -275,19 +285,7 @@ impl CudaBackend {
                         break;
                     }
                     for mode in 0..FILLS.len() {
-                        let p = StreamPoint {
-                            path: "ring",
-                            unit,
-                            pages: ppw,
-                            mode,
-                            in_flight: smem,
-                            seconds: Vec::new(),
-                            bytes,
-                            round_trip_ns: Vec::new(),
-                            variant: String::new(),
-                            layers: 0,
-                            waits: Vec::new(),
-                        };
+                        let p = StreamPoint::new("ring", unit, ppw, mode, smem, bytes);
                         measure(p, &|| vec![ring_op(bytes, unit, ppw, mode, [0, 0])])?;
                     }
                 }
@@ -299,26 +297,16 @@ impl CudaBackend {
                     break;
                 }
                 let streamed = if ppw == 0 { 0 } else { bytes };
-                let p = StreamPoint {
-                    path: "lat",
-                    unit: LAT_UNIT,
-                    pages: ppw,
-                    mode: LAT_MODE,
-                    in_flight: (WARPS - 1) * ppw * LAT_UNIT,
-                    seconds: Vec::new(),
-                    bytes: streamed,
-                    round_trip_ns: Vec::new(),
-                    variant: String::new(),
-                    layers: 0,
-                    waits: Vec::new(),
-                };
+                let in_flight = (WARPS - 1) * ppw * LAT_UNIT;
+                let p = StreamPoint::new("lat", LAT_UNIT, ppw, LAT_MODE, in_flight, streamed);
                 let probe = [chase.ptr(), lat.ptr()];
                 measure(p, &|| {
                     vec![ring_op(streamed, LAT_UNIT, ppw.max(1), LAT_MODE, probe)]
                 })?;
             }
-            // the chain probe: the dense chain at three ring depths, then the layer's
-            // dependencies with the attention 0, 8 and 24 round trips long
+            // the chain probe: the free and dense chains, then the layer's dependencies with
+            // the attention 0, 8 and 24 round trips long, each by the copying lane and some
+            // by the warps' own copies or with pages asked ahead into L2
             let Some((chain, chain_smem)) = m.stream_chain else {
                 return Ok(());
             };
@@ -328,13 +316,10 @@ impl CudaBackend {
             if most < 2 {
                 return Ok(());
             }
-            let cnt = inner.scratch(chain_phases(CHAIN_LAYERS, Some(0)).len(), 4)?;
-            let rows_most = chain_phases(CHAIN_LAYERS, Some(0))
-                .iter()
-                .map(|p| p.rows)
-                .sum::<usize>();
-            let y = inner.scratch(rows_most, 4)?;
-            // (shape, ring pages of the block, pages a warp where the warps copy their own)
+            // counters and outputs for the shape with the most phases and rows
+            let widest = chain_phases(CHAIN_LAYERS, Some(0));
+            let cnt = inner.scratch(widest.len(), 4)?;
+            let y = inner.scratch(widest.iter().map(|p| p.rows).sum::<usize>(), 4)?;
             // (shape, ring pages of the block, pages a warp where the warps copy their own,
             // pages further on the copying lane asks into L2)
             let variants = [
@@ -364,29 +349,26 @@ impl CudaBackend {
                     data: table.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 });
                 let streamed = phases.iter().map(|p| p.rows).sum::<usize>() * CHAIN_K * 2;
-                let p = StreamPoint {
-                    path: "chain",
-                    unit: CHAIN_PAGE,
+                let mut p = StreamPoint::new(
+                    "chain",
+                    CHAIN_PAGE,
                     pages,
-                    mode: own,
-                    in_flight: pages * CHAIN_PAGE,
-                    seconds: Vec::new(),
-                    bytes: streamed,
-                    round_trip_ns: Vec::new(),
-                    variant: match (trips, linked) {
-                        (_, false) => "free".to_string(),
-                        (None, true) => "dense".to_string(),
-                        (Some(t), true) => format!("moe/{t}"),
-                    } + &if own > 0 {
-                        "+own".to_string()
-                    } else if l2 > 0 {
-                        format!("+l2/{l2}")
-                    } else {
-                        String::new()
-                    },
-                    layers: CHAIN_LAYERS,
-                    waits: Vec::new(),
+                    own,
+                    pages * CHAIN_PAGE,
+                    streamed,
+                );
+                p.variant = match (trips, linked) {
+                    (_, false) => "free".to_string(),
+                    (None, true) => "dense".to_string(),
+                    (Some(t), true) => format!("moe/{t}"),
+                } + &if own > 0 {
+                    "+own".to_string()
+                } else if l2 > 0 {
+                    format!("+l2/{l2}")
+                } else {
+                    String::new()
                 };
+                p.layers = CHAIN_LAYERS;
                 let args = vec![
                     src,
                     bytes as u64,
@@ -436,16 +418,8 @@ impl CudaBackend {
     }
 }
 
-/// The median over blocks of nanoseconds a round trip from the latency probe's (ns, trips)
-/// pairs (blocks that made none left out).
-fn median_round_trip(pairs: &[u64]) -> f64 {
-    let mut v: Vec<f64> = pairs
-        .chunks_exact(2)
-        // (the high half of a block's second word is where its chain ended)
-        .map(|p| (p[0], p[1] & 0xffff_ffff))
-        .filter(|&(_, trips)| trips > 0)
-        .map(|(ns, trips)| ns as f64 / trips as f64)
-        .collect();
+/// The median block's value (the upper of the middle two), NaN for none.
+fn median_block(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
@@ -453,27 +427,36 @@ fn median_round_trip(pairs: &[u64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// The median over blocks of nanoseconds a round trip from the latency probe's (ns, trips)
+/// pairs (blocks that made none left out).
+fn median_round_trip(pairs: &[u64]) -> f64 {
+    median_block(
+        pairs
+            .chunks_exact(2)
+            // (the high half of a block's second word is where its chain ended)
+            .map(|p| (p[0], p[1] & 0xffff_ffff))
+            .filter(|&(_, trips)| trips > 0)
+            .map(|(ns, trips)| ns as f64 / trips as f64)
+            .collect(),
+    )
+}
+
 /// The median over blocks of each share of the chain probe's launch (`stat`: a block's
 /// launch, input, page and free-page nanoseconds; blocks with no time left out).
 fn wait_shares(stat: &[u64]) -> [f64; 3] {
-    let mut out = [f64::NAN; 3];
-    for (k, o) in out.iter_mut().enumerate() {
-        let mut v: Vec<f64> = stat
-            .chunks_exact(4)
-            .filter(|b| b[0] > 0)
-            .map(|b| b[k + 1] as f64 / b[0] as f64)
-            .collect();
-        if !v.is_empty() {
-            v.sort_by(f64::total_cmp);
-            *o = v[v.len() / 2];
-        }
-    }
-    out
+    std::array::from_fn(|k| {
+        median_block(
+            stat.chunks_exact(4)
+                .filter(|b| b[0] > 0)
+                .map(|b| b[k + 1] as f64 / b[0] as f64)
+                .collect(),
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{chain_phases, chain_table, median_round_trip, wait_shares, CHAIN_K};
+    use super::{chain_phases, chain_shape, chain_table, median_round_trip, wait_shares, CHAIN_K};
 
     #[test]
     fn wait_shares_are_each_share_of_the_median_block() {
@@ -493,6 +476,15 @@ mod tests {
         let bytes = |v: &[super::ChainPhase]| v.iter().map(|p| p.rows).sum::<usize>() * row / 2;
         assert_eq!(bytes(&moe), (3648 + 2048 + 64 + 22528 + 11264) * row);
         assert_eq!(bytes(&dense) + 64 * row, bytes(&moe));
+        // `free`: the dense rows with no phase waiting for another
+        let free = chain_shape(2, None, false);
+        assert_eq!(
+            free.iter().map(|p| p.rows).collect::<Vec<_>>(),
+            [3648, 2048, 22528, 11264].repeat(2)
+        );
+        assert!(free
+            .iter()
+            .all(|p| p.dep.is_none() && p.gate.is_none() && p.trips == 0));
         // every phase depends on an earlier one; only the routed gate/up waits to copy
         for v in [&dense, &moe] {
             assert_eq!(v[0].dep, None);
