@@ -1632,18 +1632,19 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_ISSUER true
 #define MOEF_ARRIVALS 33
 #endif
-// MOEF_X_TICKET (a draft, off): block b computes the logit of the expert numbered by its
-// arrival (an atomic ticket before the programmatic wait) instead of expert b, so the routing
-// waits on the first E blocks to become resident (some start only as the launches before
-// leave their SMs, ≈ 2.4 us of spread at the wait on an H100) whatever their numbers; the
-// values and the pick are the same (GPU suites pass). Session 30, one H100: 2.4865 against
-// 2.503 ms (medians of 10 processes each, alternated, both spreads ≈ 0.07 ms): within that
-// machine's noise, to be measured again where the figures are steadier (an H200).
-#ifdef MOEF_X_TICKET
-#define MOEF_COUNTERS 6
+// The routing's logits by the first blocks to arrive (session 32): block b computes the logit
+// of the expert numbered by its arrival (an atomic ticket, cnt[5], before the programmatic
+// wait) instead of expert b, so the routing waits on the first E blocks to become resident
+// (some start only as the launches before leave their SMs, ~2.4 us of spread at the wait on
+// an H100) whatever their numbers; the values and the pick are the same. One H200, alternated:
+// 2.1205 against 2.149 ms a step (medians of 5 processes each, every one faster),
+// doc/benchmarks.md. MOEF_X_NUMBERED builds the logits by block number, as before.
+#ifdef MOEF_X_NUMBERED
+#define MOEF_TICKET false
 #else
-#define MOEF_COUNTERS 5
+#define MOEF_TICKET true
 #endif
+#define MOEF_COUNTERS 6
 
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
@@ -1732,12 +1733,19 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             return;
         }
         u8* pb = moef_smem + (long)pg * page;
+#ifdef MOEF_X_FENCE_FIRST
+        // (a draft: lane 0's proxy fence and bulk copy before the lanes' copies, so the fence
+        // finds none of this unit's copies in flight)
+        if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
+#endif
         if (lanes)
             for (u32 o = 16u * lane; o < bytes; o += 16u * 32u)
                 cp_async16_w(pb + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
         mbar_arrive_cp_async(bar);
+#ifndef MOEF_X_FENCE_FIRST
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
+#endif
     };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
@@ -1771,9 +1779,11 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p0 = sh_gate + (sh0 + u) * d;
             p1 = sh_up + (sh0 + u) * d;
         } else if (i < my_ng) {
-            const long j = rt0 + (u - nsh), s = j / inter, r = j % inter;
-            p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + r * d;
-            p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + r * d;
+            // (32-bit: a lane alone runs this once a unit, where a 64-bit division is ~100
+            // instructions)
+            const int j = (int)(rt0 + (u - nsh)), s = j / inter, r = j % inter;
+            p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + (long)r * d;
+            p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + (long)r * d;
         } else {
             const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
             p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
@@ -1797,16 +1807,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     MoeTok1 t;
     if (MOEF_ISSUER)
         while (issued < ppw && early(issued)) issue(issued++);
-#ifdef MOEF_X_TICKET
-    // the expert whose logit this block computes: the block's place among the grid's blocks in
-    // the order they got here (cnt[5]), so the E logits come from the first E blocks resident
+    // the expert whose logit this block computes: with MOEF_TICKET the block's place among the
+    // grid's blocks in the order they got here (cnt[5]), so the E logits come from the first E
+    // blocks resident
     __shared__ int ticket;
-    if (tid == 0) ticket = (int)atomicAdd(&cnt[5], 1u);
-    __syncthreads();
-    const int eb = ticket;
-#else
-    const int eb = b;
-#endif
+    if (MOEF_TICKET) {
+        if (tid == 0) ticket = (int)atomicAdd(&cnt[5], 1u);
+        __syncthreads();
+    }
+    const int eb = MOEF_TICKET ? ticket : b;
     moef_route_loads(graw, t, gate, gate_wt, gate_row_bytes, gain, ptrs, bias, E, mine, eb);
     pdl_wait();
     if (om > 0) {
@@ -1896,9 +1905,9 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             us += e[j];
         }
         if (lane == 0) {
-            const long j = u < nsh ? sh0 + u : rt0 + (u - nsh);
-            const long s = u < nsh ? K + j / inter : j / inter;
-            act_store(act, s * inter + j % inter, swiglu(gs, us));
+            const int j = (int)(u < nsh ? sh0 + u : rt0 + (u - nsh));
+            const int s = u < nsh ? K + j / inter : j / inter;
+            act_store(act, (long)s * inter + j % inter, swiglu(gs, us));
         }
     }
     // every block's gate/up done

@@ -149,6 +149,60 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 #define CHAIN_MAXP 32
 __device__ __forceinline__ void chain_bar() { asm volatile("bar.sync 1, %0;" ::"n"(32 * CHAIN_WARPS) : "memory"); }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Whether the barrier's phase of `parity` is complete, without waiting (so the probe times only
+// the waits that happen).
+__device__ __forceinline__ bool chain_ready(u32 a, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+#endif
+
+// A place in a block's walk over the phases' pages (all 32-bit: the walk runs once a page, so
+// it holds no 64-bit division): phase p, unit i of the block's share [.., e), the phase's
+// first weight page `base` (wrapped at the buffer's `wp` pages). A walk takes every
+// `stride`-th unit from its share's unit `off` (the copying lane: 1 and 0; a warp copying its
+// own: CHAIN_WARPS and its number).
+struct ChainWalk {
+    int p, i, e;
+    u32 base;
+};
+__device__ __forceinline__ void chain_share(const int* ph, int p, int b, int G, int& a, int& e) {
+    const int n = ph[CHAIN_FIELDS * p] / 2;
+    a = n * b / G;
+    e = n * (b + 1) / G;
+}
+// The walk moved to the first phase from `p` on where it has a unit (c.p == nph past the last).
+__device__ __forceinline__ void chain_seek(ChainWalk& c, const int* ph, int nph, int p, int off, int b, int G, u32 wp) {
+    for (; p < nph; p++) {
+        int a, e;
+        chain_share(ph, p, b, G, a, e);
+        if (a + off < e) {
+            c.p = p;
+            c.i = a + off;
+            c.e = e;
+            c.base = (u32)ph[CHAIN_FIELDS * p + 5] % wp;
+            return;
+        }
+    }
+    c.p = nph;
+}
+__device__ __forceinline__ void chain_step(ChainWalk& c, const int* ph, int nph, int stride, int off, int b, int G,
+                                           u32 wp) {
+    c.i += stride;
+    if (c.i >= c.e) chain_seek(c, ph, nph, c.p + 1, off, b, G, wp);
+}
+__device__ __forceinline__ const u8* chain_src(const u8* w, const ChainWalk& c, u32 wp) {
+    u32 k = c.base + (u32)c.i;
+    if (k >= wp) k -= wp;
+    return w + (u64)k * CHAIN_PAGE;
+}
+
 extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
     stream_chain(const u8* w, long wbytes, const int* ph, int nph, int pages, int own, int l2, float* y,
                  u32* cnt, u32* chase, u64* stat) {
@@ -156,10 +210,12 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
     extern __shared__ __align__(128) u8 chain_smem[];
     // where a block's time goes (stat[4 b ..]): the launch, thread 0's waits for the phases'
     // inputs (the counter and the input's load), warp 0's waits for its pages, the copying
-    // lane's waits for a free page (nanoseconds)
+    // lane's waits for a free page (nanoseconds; a page or a free page timed only when it is
+    // not there at the first look)
     u64 t_start = gtime(), t_dep = 0, t_page = 0, t_free = 0;
     __shared__ __align__(8) u64 full[CHAIN_MAXP], empty[CHAIN_MAXP];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    const u32 wp = (u32)(wbytes / CHAIN_PAGE);
     float* xs = reinterpret_cast<float*>(chain_smem + (long)pages * CHAIN_PAGE);
     const u32 ring = (u32)__cvta_generic_to_shared(chain_smem);
     const u32 f0 = (u32)__cvta_generic_to_shared(full), e0 = (u32)__cvta_generic_to_shared(empty);
@@ -173,103 +229,88 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
     __syncthreads();
     // `own` > 0: no copying warp; each computing warp owns `own` pages and copies its own
     // units, unit k + own into the page unit k leaves (as `moe_ffn1`'s warps do), walking the
-    // phases ahead of its reads (lane 0 keeps the place: phase cp, unit ci of its ce)
-    int cp = 0, gated = -1;
-    long ci = 0, ce = 0;
-    auto place = [&]() {
-        for (; cp < nph; cp++) {
-            const long n = ph[CHAIN_FIELDS * cp] / 2, a = n * b / G, e = n * (b + 1) / G;
-            if (ci == 0) ci = a + warp;  // (a phase's first visit)
-            if (ci < e) {
-                ce = e;
-                return;
-            }
-            ci = 0;
-        }
-    };
-    // lane 0 copies units while the warp's ring has room (`done`: units the warp has read);
-    // a routed phase's units wait for their gate, without blocking unless the warp needs
-    // the unit now (it has then finished every earlier phase, so the wait cannot be on it)
-    long issued = 0;
-    auto pump = [&](long done, bool need) {
-        while (cp < nph && issued < done + own) {
-            const int* q = ph + CHAIN_FIELDS * cp;
-            if (q[2] >= 0 && gated != cp) {
+    // phases ahead of its reads (lane 0 keeps the walk). A routed phase's units wait for their
+    // gate, without blocking unless the warp needs the unit now (it has then finished every
+    // earlier phase, so the wait cannot be on it).
+    ChainWalk oc;
+    int issued = 0, islot = 0, gated = -1;
+    auto pump = [&](int done, bool need) {
+        while (oc.p < nph && issued < done + own) {
+            const int gate = ph[CHAIN_FIELDS * oc.p + 2];
+            if (gate >= 0 && gated != oc.p) {
                 if (need && issued == done)
-                    wait_count(cnt + q[2], (u32)G);
-                else if (ld_acquire_u32(cnt + q[2]) < (u32)G)
+                    wait_count(cnt + gate, (u32)G);
+                else if (ld_acquire_u32(cnt + gate) < (u32)G)
                     return;
-                gated = cp;
+                gated = oc.p;
             }
-            const int pg = warp * own + (int)(issued % own);
-            const long off = (((long)(u32)q[5] + ci) * CHAIN_PAGE) % wbytes;
-            page_fill(ring + (u32)pg * CHAIN_PAGE, f0 + 8 * pg, CHAIN_PAGE, 1, w + off);
+            const int pg = warp * own + islot;
+            page_fill(ring + (u32)pg * CHAIN_PAGE, f0 + 8 * pg, CHAIN_PAGE, 1, chain_src(w, oc, wp));
             issued++;
-            ci += CHAIN_WARPS;
-            if (ci >= ce) {
-                cp++;
-                ci = 0;
-            }
-            place();
+            if (++islot == own) islot = 0;
+            chain_step(oc, ph, nph, CHAIN_WARPS, warp, b, G, wp);
         }
     };
     if (own > 0 && warp < CHAIN_WARPS && lane == 0) {
-        place();
+        chain_seek(oc, ph, nph, 0, warp, b, G, wp);
         pump(0, false);
     }
     if (warp == CHAIN_WARPS) {
         if (lane != 0 || own > 0) return;
-        long seq = 0, lseq = 0, li = 0;
-        int lp = -1;
-        for (int p = 0; p < nph; p++) {
-            const int* q = ph + CHAIN_FIELDS * p;
-            const long n = q[0] / 2, a = n * b / G, e = n * (b + 1) / G;
-            if (e > a && q[2] >= 0) wait_count(cnt + q[2], (u32)G);
-            for (long i = a; i < e; i++, seq++) {
-                // `l2` pages further on asked into L2 (the prefetch's place: phase lp, unit
-                // li), as far as no routed phase's gate is still closed
-                if (l2 > 0) {
-                    if (lp < 0) lp = p, li = a;
-                    for (; lp < nph && lseq < seq + pages + l2; lseq++) {
-                        const int* lq = ph + CHAIN_FIELDS * lp;
-                        const long ln = lq[0] / 2, la = ln * b / G, le = ln * (b + 1) / G;
-                        if (li < la) li = la;
-                        if (li >= le) {
-                            lp++;
-                            li = -1;
-                            lseq--;
-                            continue;
-                        }
-                        if (lq[2] >= 0 && lp > p && ld_acquire_u32(cnt + lq[2]) < (u32)G) break;
-                        if (lseq >= seq + pages)
-                            prefetch_l2_bulk(w + (((long)(u32)lq[5] + li) * CHAIN_PAGE) % wbytes, CHAIN_PAGE);
-                        li++;
-                    }
-                }
-                const int pg = (int)(seq % pages);
-                if (seq >= pages) {
-                    const u64 t0 = gtime();
-                    mbar_wait(e0 + 8 * pg, (u32)((seq / pages - 1) & 1));
-                    t_free += gtime() - t0;
-                }
-                const long off = (((long)(u32)q[5] + i) * CHAIN_PAGE) % wbytes;
-                page_fill(ring + (u32)pg * CHAIN_PAGE, f0 + 8 * pg, CHAIN_PAGE, 1, w + off);
+        // the copying lane: the block's pages in order into the ring (page `slot` of round
+        // `round`), and with `l2` the pages from `pages` to `pages + l2` beyond the one it
+        // copies asked into L2 (walk `lc`, `lseq` pages along), as far as no routed phase's
+        // gate is still closed
+        ChainWalk c, lc;
+        chain_seek(c, ph, nph, 0, 0, b, G, wp);
+        lc = c;
+        int seq = 0, lseq = 0, slot = 0, open = -1;
+        u32 round = 0;
+        for (; c.p < nph; seq++) {
+            const int gate = ph[CHAIN_FIELDS * c.p + 2];
+            if (gate >= 0 && open < c.p) {
+                wait_count(cnt + gate, (u32)G);
+                open = c.p;
             }
+            for (; l2 > 0 && lc.p < nph && lseq < seq + pages + l2; lseq++) {
+                const int lg = ph[CHAIN_FIELDS * lc.p + 2];
+                if (lg >= 0 && open < lc.p) {
+                    if (ld_acquire_u32(cnt + lg) < (u32)G) break;
+                    open = lc.p;
+                }
+                if (lseq >= pages) prefetch_l2_bulk(chain_src(w, lc, wp), CHAIN_PAGE);
+                chain_step(lc, ph, nph, 1, 0, b, G, wp);
+            }
+            if (seq >= pages && !chain_ready(e0 + 8 * slot, (round - 1) & 1)) {
+                const u64 t0 = gtime();
+                mbar_wait(e0 + 8 * slot, (round - 1) & 1);
+                t_free += gtime() - t0;
+            }
+            page_fill(ring + (u32)slot * CHAIN_PAGE, f0 + 8 * slot, CHAIN_PAGE, 1, chain_src(w, c, wp));
+            if (++slot == pages) {
+                slot = 0;
+                round++;
+            }
+            chain_step(c, ph, nph, 1, 0, b, G, wp);
         }
         stat[4 * b + 3] = t_free;
         return;
     }
-    long seq = 0, kw = 0;  // the block's pages and (`own`) the warp's, taken so far
+    int seq = 0;                       // the block's pages taken so far (the copying lane's)
+    int kw = 0, kslot = 0, kpar = 0;  // (`own`) the warp's pages, its next page and parity
     for (int p = 0; p < nph; p++) {
         const int* q = ph + CHAIN_FIELDS * p;
-        const int rows = q[0], dep = q[1], trips = q[3];
+        const int rows = q[0], dep = q[1], trips = q[3], y0 = q[4];
         const u64 t0 = gtime();
         if (dep >= 0 && threadIdx.x == 0) wait_count(cnt + dep, (u32)G);
         chain_bar();
         if (rows > 0) {
+            // the dep's outputs (wrapped to CHAIN_K values), or where it has none (the attention
+            // stage) the first values of `y`, loaded all the same
             const int* d = ph + CHAIN_FIELDS * (dep >= 0 ? dep : 0);
+            const int from = d[0] > 0 ? d[4] : 0, span = d[0] > 0 ? d[0] : CHAIN_K;
             for (int k = threadIdx.x; k < CHAIN_K; k += 32 * CHAIN_WARPS)
-                xs[k] = dep >= 0 ? ld_cg(y + d[4] + k % d[0]) : 1.0f;
+                xs[k] = dep >= 0 ? ld_cg(y + from + k % span) : 1.0f;
             chain_bar();
         }
         t_dep += gtime() - t0;
@@ -285,17 +326,26 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
             for (int t = 0; t < trips; t++) off = chase_step(cb, off);
             if (off == 1u) cb[0] = off;  // (never: 32-word steps; keeps the chain's loads)
         }
-        const long n = rows / 2, a = n * b / G, e = n * (b + 1) / G;
-        for (long i = a + warp; i < e; i += CHAIN_WARPS) {
-            const long s = own > 0 ? kw : seq + (i - a);
-            const int pg = own > 0 ? warp * own + (int)(kw % own) : (int)(s % pages);
+        int a, e;
+        chain_share(ph, p, b, G, a, e);
+        // (the copying lane's ring) the warp's first unit's page and round parity
+        int slot = (seq + warp) % pages, par = ((seq + warp) / pages) & 1;
+        for (int i = a + warp; i < e; i += CHAIN_WARPS) {
             if (own > 0 && lane == 0) pump(kw, true);
-            const u64 t1 = gtime();
-            mbar_wait(f0 + 8 * pg, (u32)((own > 0 ? kw / own : s / pages) & 1));
-            t_page += gtime() - t1;
-            kw++;
+            const int pg = own > 0 ? warp * own + kslot : slot;
+            const u32 parity = (u32)(own > 0 ? kpar : par);
+            if (!chain_ready(f0 + 8 * pg, parity)) {
+                const u64 t1 = gtime();
+                mbar_wait(f0 + 8 * pg, parity);
+                t_page += gtime() - t1;
+            }
             const u8* page = chain_smem + (long)pg * CHAIN_PAGE;
             float acc[2] = {0.f, 0.f};
+#ifdef CHAIN_X_NODOT
+            // (a timing experiment: the page's words read but not multiplied)
+            const uint4 v = *reinterpret_cast<const uint4*>(page + lane * 16);
+            acc[0] = __uint_as_float(v.x ^ v.w);
+#else
 #pragma unroll
             for (int j = 0; j < 16; j++) {
                 const uint4 v = *reinterpret_cast<const uint4*>(page + j * 512 + lane * 16);
@@ -307,18 +357,24 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
                     s2 += __uint_as_float(wd[h] << 16) * x[2 * h] + __uint_as_float(wd[h] & 0xffff0000u) * x[2 * h + 1];
                 acc[j >> 3] += s2;
             }
+#endif
             __syncwarp();
-            if (lane == 0) {
-                if (own > 0)
-                    pump(kw, false);
-                else
-                    mbar_arrive(e0 + 8 * pg);
+            if (own > 0) {
+                kw++;
+                if (++kslot == own) {
+                    kslot = 0;
+                    kpar ^= 1;
+                }
+                if (lane == 0) pump(kw, false);
+            } else {
+                if (lane == 0) mbar_arrive(e0 + 8 * pg);
+                for (slot += CHAIN_WARPS; slot >= pages; slot -= pages) par ^= 1;
             }
             acc[0] = warp_sum(acc[0]);
             acc[1] = warp_sum(acc[1]);
             if (lane == 0) {
-                y[q[4] + 2 * i] = acc[0];
-                y[q[4] + 2 * i + 1] = acc[1];
+                y[y0 + 2 * i] = acc[0];
+                y[y0 + 2 * i + 1] = acc[1];
             }
         }
         seq += e - a;

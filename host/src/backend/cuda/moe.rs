@@ -170,8 +170,7 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
         None
     };
     // [0]: the decode routing's arrivals; [1..7]: `moe_ffn1`'s (logits, gate/up, blocks done,
-    // residual rows, the o product's rows, and with the kernel's MOEF_X_TICKET draft the
-    // blocks' arrival tickets)
+    // residual rows, the o product's rows, the blocks' arrival tickets)
     let counter = DevMem::alloc(&inner.ctx, 28)?;
     counter.zero(&inner.stream)?;
     let totals = DevMem::alloc(&inner.ctx, e * 8)?;
