@@ -331,7 +331,12 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         // (the copying lane's ring) the warp's first unit's page and round parity
         int slot = (seq + warp) % pages, par = ((seq + warp) / pages) & 1;
         for (int i = a + warp; i < e; i += CHAIN_WARPS) {
-            if (own > 0 && lane == 0) pump(kw, true);
+            if (own > 0) {
+                // the other lanes wait for lane 0 at a warp barrier rather than polling the
+                // page's barrier while lane 0 may still be asking for the page
+                if (lane == 0) pump(kw, true);
+                __syncwarp();
+            }
             const int pg = own > 0 ? warp * own + kslot : slot;
             const u32 parity = (u32)(own > 0 ? kpar : par);
             if (!chain_ready(f0 + 8 * pg, parity)) {
