@@ -161,6 +161,14 @@ __device__ __forceinline__ bool chain_ready(u32 a, u32 parity) {
         : "memory");
     return done != 0;
 }
+// Waits for the barrier's phase of `parity`, adding to `t` the nanoseconds it waited when the
+// phase was not complete at the first look.
+__device__ __forceinline__ void chain_wait(u32 a, u32 parity, u64& t) {
+    if (chain_ready(a, parity)) return;
+    const u64 t0 = gtime();
+    mbar_wait(a, parity);
+    t += gtime() - t0;
+}
 #endif
 
 // A place in a block's walk over the phases' pages (all 32-bit: the walk runs once a page, so
@@ -281,11 +289,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
                 if (lseq >= pages) prefetch_l2_bulk(chain_src(w, lc, wp), CHAIN_PAGE);
                 chain_step(lc, ph, nph, 1, 0, b, G, wp);
             }
-            if (seq >= pages && !chain_ready(e0 + 8 * slot, (round - 1) & 1)) {
-                const u64 t0 = gtime();
-                mbar_wait(e0 + 8 * slot, (round - 1) & 1);
-                t_free += gtime() - t0;
-            }
+            if (seq >= pages) chain_wait(e0 + 8 * slot, (round - 1) & 1, t_free);
             page_fill(ring + (u32)slot * CHAIN_PAGE, f0 + 8 * slot, CHAIN_PAGE, 1, chain_src(w, c, wp));
             if (++slot == pages) {
                 slot = 0;
@@ -339,11 +343,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
             }
             const int pg = own > 0 ? warp * own + kslot : slot;
             const u32 parity = (u32)(own > 0 ? kpar : par);
-            if (!chain_ready(f0 + 8 * pg, parity)) {
-                const u64 t1 = gtime();
-                mbar_wait(f0 + 8 * pg, parity);
-                t_page += gtime() - t1;
-            }
+            chain_wait(f0 + 8 * pg, parity, t_page);
             const u8* page = chain_smem + (long)pg * CHAIN_PAGE;
             float acc[2] = {0.f, 0.f};
 #ifdef CHAIN_X_NODOT

@@ -51,7 +51,8 @@ pub struct StreamPoint {
     /// took while the block's other warps streamed.
     pub round_trip_ns: Vec<f64>,
     /// `chain`: the shape ([`chain_phases`]: `free`, `dense`, or `moe/` and the attention's
-    /// round trips; `+own` where each warp copies its own pages, `mode` a warp) and its
+    /// round trips; `+own` where each warp copies its own pages, `mode` a warp; `+l2/N`
+    /// where the copying lane asks N pages beyond the ring into L2) and its
     /// layers (empty and 0 otherwise).
     pub variant: String,
     pub layers: usize,
