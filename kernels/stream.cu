@@ -333,8 +333,8 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         int a, e;
         chain_share(ph, p, b, G, a, e);
         // (the copying lane's ring) the warp's first unit's page and round parity
-        int slot = (seq + warp) % pages, par = ((seq + warp) / pages) & 1;
-        for (int i = a + warp; i < e; i += CHAIN_WARPS) {
+        int pos = seq + warp, slot = pos % pages, par = (pos / pages) & 1;
+        for (int i = a + warp; i < e; i += CHAIN_WARPS, pos += CHAIN_WARPS) {
             if (own > 0) {
                 // the other lanes wait for lane 0 at a warp barrier rather than polling the
                 // page's barrier while lane 0 may still be asking for the page
@@ -343,6 +343,10 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
             }
             const int pg = own > 0 ? warp * own + kslot : slot;
             const u32 parity = (u32)(own > 0 ? kpar : par);
+            // (the copying lane's ring) a page's previous round may be another warp's and its
+            // copy may still be in flight (bulk copies land in any order): the parity test
+            // alone would then pass a round early, so first the page's previous round read
+            if (own == 0 && pos >= pages) chain_wait(e0 + 8 * pg, parity ^ 1u, t_page);
             chain_wait(f0 + 8 * pg, parity, t_page);
             const u8* page = chain_smem + (long)pg * CHAIN_PAGE;
             float acc[2] = {0.f, 0.f};
