@@ -1733,19 +1733,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             return;
         }
         u8* pb = moef_smem + (long)pg * page;
-#ifdef MOEF_X_FENCE_FIRST
-        // (a draft: lane 0's proxy fence and bulk copy before the lanes' copies, so the fence
-        // finds none of this unit's copies in flight)
-        if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
-#endif
         if (lanes)
             for (u32 o = 16u * lane; o < bytes; o += 16u * 32u)
                 cp_async16_w(pb + bytes + o, reinterpret_cast<const u8*>(p1) + o, true);
         mbar_arrive_cp_async(bar);
-#ifndef MOEF_X_FENCE_FIRST
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
-#endif
     };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
