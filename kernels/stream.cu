@@ -135,13 +135,21 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // routed experts' rows wait for the routing; -1 for none), trips (dependent L2 round trips
 // thread 0 makes before the block counts the phase: a latency-bound stage such as the
 // attention's), y0 (the phase's first output in `y`) and u0 (its first page in the weights,
-// wrapped at `wbytes`). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A
+// wrapped at `wbytes`) and red (words each block adds into `red` before counting the phase:
+// the integer sums that would meet a product split by its input's rows; 0 for none) and
+// groups (the phase's units cut into that many equal groups, experts: a block counts each
+// group its share touches in cnt[nph + CHAIN_MAXG p + g] as well as the phase in cnt[p], and a
+// phase of as many groups that depends on it waits only for the groups its own share
+// touches; 0 for none). Warps
+// 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A
 // block's share of a phase is a contiguous range of its pages; the ring is taken in the
 // block's order of pages across phases; a page's `full` barrier completes when its bytes
 // land, its `empty` barrier when the warp that read it is done (with `own`, see below).
-// cnt[p] counts the blocks that finished phase p (zeroed before the launch), chase holds
+// cnt[p] counts the blocks that finished phase p (zeroed before the launch, with the groups'
+// counters after them), chase holds
 // each block's 16 KB (zeroed).
-#define CHAIN_FIELDS 6
+#define CHAIN_FIELDS 8
+#define CHAIN_MAXG 8
 #define CHAIN_K 2048
 #define CHAIN_PAGE 8192
 #define CHAIN_WARPS 8
@@ -205,6 +213,24 @@ __device__ __forceinline__ void chain_step(ChainWalk& c, const int* ph, int nph,
     c.i += stride;
     if (c.i >= c.e) chain_seek(c, ph, nph, c.p + 1, off, b, G, wp);
 }
+// The groups (of `ng` over the phase's units) that block b's share of phase p touches, [g0, g1).
+__device__ __forceinline__ void chain_groups(const int* ph, int p, int b, int G, int ng, int& g0, int& g1) {
+    int a, e;
+    chain_share(ph, p, b, G, a, e);
+    const int n = ph[CHAIN_FIELDS * p] / 2;
+    g0 = a < e ? (int)((long)a * ng / n) : 0;
+    g1 = a < e ? (int)((long)(e - 1) * ng / n) + 1 : 0;
+}
+// Waits until every block whose share of phase `dep` touches group g has counted it.
+__device__ void chain_wait_group(const int* ph, int nph, const u32* cnt, int dep, int ng, int g, int G) {
+    u32 need = 0;
+    for (int bb = 0; bb < G; bb++) {
+        int g0, g1;
+        chain_groups(ph, dep, bb, G, ng, g0, g1);
+        need += (u32)(g0 <= g && g < g1);
+    }
+    wait_count(cnt + nph + CHAIN_MAXG * dep + g, need);
+}
 __device__ __forceinline__ const u8* chain_src(const u8* w, const ChainWalk& c, u32 wp) {
     u32 k = c.base + (u32)c.i;
     if (k >= wp) k -= wp;
@@ -213,7 +239,7 @@ __device__ __forceinline__ const u8* chain_src(const u8* w, const ChainWalk& c, 
 
 extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
     stream_chain(const u8* w, long wbytes, const int* ph, int nph, int pages, int own, int l2, float* y,
-                 u32* cnt, u32* chase, u64* stat) {
+                 u32* cnt, u32* chase, u64* stat, unsigned long long* red) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 chain_smem[];
     // where a block's time goes (stat[4 b ..]): the launch, thread 0's waits for the phases'
@@ -306,7 +332,17 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         const int* q = ph + CHAIN_FIELDS * p;
         const int rows = q[0], dep = q[1], trips = q[3], y0 = q[4];
         const u64 t0 = gtime();
-        if (dep >= 0 && threadIdx.x == 0) wait_count(cnt + dep, (u32)G);
+        const int ng = q[7];
+        if (dep >= 0 && threadIdx.x == 0) {
+            if (ng > 0 && ph[CHAIN_FIELDS * dep + 7] == ng) {
+                // only the groups of the dep that this block's share needs
+                int g0, g1;
+                chain_groups(ph, p, b, G, ng, g0, g1);
+                for (int g = g0; g < g1; g++) chain_wait_group(ph, nph, cnt, dep, ng, g, G);
+            } else {
+                wait_count(cnt + dep, (u32)G);
+            }
+        }
         chain_bar();
         if (rows > 0) {
             // the dep's outputs (wrapped to CHAIN_K values), or where it has none (the attention
@@ -387,9 +423,18 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
             }
         }
         seq += e - a;
+        // a split product's partial sums, one word a column, added where every block adds
+        // its own (fire-and-forget reductions; the fence before the count orders them)
+        for (int k = threadIdx.x; k < min(q[6], CHAIN_K); k += 32 * CHAIN_WARPS)
+            atomicAdd(red + k, (unsigned long long)__float_as_uint(xs[k]));
         chain_bar();
         if (threadIdx.x == 0) {
             __threadfence();
+            if (ng > 0) {
+                int g0, g1;
+                chain_groups(ph, p, b, G, ng, g0, g1);
+                for (int g = g0; g < g1; g++) atomicAdd(cnt + nph + CHAIN_MAXG * p + g, 1u);
+            }
             atomicAdd(cnt + p, 1u);
         }
     }

@@ -51,7 +51,8 @@ pub struct StreamPoint {
     /// took while the block's other warps streamed.
     pub round_trip_ns: Vec<f64>,
     /// `chain`: the shape ([`chain_phases`]: `free`, `dense`, or `moe/` and the attention's
-    /// round trips; `+own` where each warp copies its own pages, `mode` a warp; `+l2/N`
+    /// round trips, with `+r`, `+k` or `+rk` for the meetings cut ([`ChainCuts`]); `+own`
+    /// where each warp copies its own pages, `mode` a warp; `+l2/N`
     /// where the copying lane asks N pages beyond the ring into L2) and its
     /// layers (empty and 0 otherwise).
     pub variant: String,
@@ -96,6 +97,10 @@ pub const CHAIN_K: usize = 2048;
 const CHAIN_THREADS: u32 = 288;
 /// Most ring pages a chain block (`CHAIN_MAXP`).
 const CHAIN_MAXP: usize = 32;
+/// Fields of a phase in `stream_chain`'s table (`CHAIN_FIELDS`).
+const CHAIN_FIELDS: usize = 8;
+/// Most groups a phase (`CHAIN_MAXG`).
+const CHAIN_MAXG: usize = 8;
 /// MoE layers of the chain probe (Moonlight's 27 less the dense first).
 pub const CHAIN_LAYERS: usize = 26;
 
@@ -110,6 +115,31 @@ pub struct ChainPhase {
     pub gate: Option<usize>,
     /// Dependent L2 round trips each block makes before counting the phase done.
     pub trips: usize,
+    /// Words each block adds into one shared output (`red.global.add.u64`, integer sums
+    /// whose order does not change them) before counting the phase done: a product split by
+    /// its input's rows, its partial sums met by the adds instead of a meeting and a pass.
+    pub red: usize,
+    /// Equal groups of the phase's units (experts) counted apart, so a phase of as many groups
+    /// that depends on this one waits only for the groups its own share touches (0: none).
+    pub groups: usize,
+}
+
+/// Meetings of the `moe` shapes a persistent step could do without (each a grid-wide wait
+/// less a layer, or a smaller one), named in the probe's rows by `+` and `r`, `k` or `g`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChainCuts {
+    /// The router's rows in o's phase: its logits taken as o's partial sums (the router
+    /// folded through o's weights and the residual's own part), so the routed rows wait for
+    /// o's count, and the router's phase and meeting are gone.
+    pub router: bool,
+    /// The experts' down product split by expert row (`moe_fk1`'s units: a gate row, an up
+    /// row and a down row after one another), so gate/up and down are one phase with no
+    /// meeting between them, each block adding its partial sums of the layer's output into
+    /// one buffer by integer adds ([`ChainPhase::red`]: [`CHAIN_K`] words).
+    pub split: bool,
+    /// The experts' down rows waiting only for their own expert's gate/up rows (a meeting of
+    /// the blocks that computed them, [`ChainPhase::groups`]), not for the grid's.
+    pub group: bool,
 }
 
 /// The chain probe's phases for `layers` Moonlight MoE layers, as rows of 2,048 bf16 (a
@@ -121,45 +151,74 @@ pub struct ChainPhase {
 /// once the router is done; their down after every gate/up; the next layer's q/kv_a after the
 /// down.
 pub fn chain_phases(layers: usize, trips: Option<usize>) -> Vec<ChainPhase> {
-    chain_shape(layers, trips, true)
+    chain_shape(layers, trips, true, ChainCuts::default())
 }
 
 /// [`chain_phases`], or with `linked` false the dense chain's rows with no phase waiting for
-/// another (`free`: what the launch's copies and products stream without the meetings).
-fn chain_shape(layers: usize, trips: Option<usize>, linked: bool) -> Vec<ChainPhase> {
+/// another (`free`: what the launch's copies and products stream without the meetings); the
+/// `moe` shapes with `cuts`' meetings left out.
+fn chain_shape(
+    layers: usize,
+    trips: Option<usize>,
+    linked: bool,
+    cuts: ChainCuts,
+) -> Vec<ChainPhase> {
     if !linked {
         let unlink = |p: ChainPhase| ChainPhase { dep: None, ..p };
-        return chain_shape(layers, None, true)
+        return chain_shape(layers, None, true, cuts)
             .into_iter()
             .map(unlink)
             .collect();
     }
     let mut v: Vec<ChainPhase> = Vec::new();
-    let mut push = |rows: usize, dep: Option<usize>, gate: Option<usize>, trips: usize| {
+    // (rows, dep, gate, trips, red, groups)
+    type P = (usize, Option<usize>, Option<usize>, usize, usize, usize);
+    let mut push = |(rows, dep, gate, trips, red, groups): P| {
         v.push(ChainPhase {
             rows,
             dep,
             gate,
             trips,
+            red,
+            groups,
         });
         v.len() - 1
     };
     let mut last: Option<usize> = None;
     for _ in 0..layers {
-        let qkv = push(3648, last, None, 0);
+        let qkv = push((3648, last, None, 0, 0, 0));
         last = Some(match trips {
             None => {
-                let o = push(2048, Some(qkv), None, 0);
-                let gu = push(22528, Some(o), None, 0);
-                push(11264, Some(gu), None, 0)
+                let o = push((2048, Some(qkv), None, 0, 0, 0));
+                let gu = push((22528, Some(o), None, 0, 0, 0));
+                push((11264, Some(gu), None, 0, 0, 0))
             }
             Some(t) => {
-                let attn = push(0, Some(qkv), None, t);
-                let o = push(2048, Some(attn), None, 0);
-                let router = push(64, Some(o), None, 0);
-                push(5632, Some(o), None, 0);
-                let routed = push(16896, Some(o), Some(router), 0);
-                push(11264, Some(routed), None, 0)
+                let attn = push((0, Some(qkv), None, t, 0, 0));
+                let (o, router) = if cuts.router {
+                    let o = push((2048 + 64, Some(attn), None, 0, 0, 0));
+                    (o, o)
+                } else {
+                    let o = push((2048, Some(attn), None, 0, 0, 0));
+                    (o, push((64, Some(o), None, 0, 0, 0)))
+                };
+                if cuts.split {
+                    // the shared experts' units, then the routed experts' (2 of 8 down rows
+                    // shared), the partial sums added once at the end
+                    push((5632 + 2816, Some(o), None, 0, 0, 0));
+                    push((16896 + 8448, Some(o), Some(router), 0, CHAIN_K, 0))
+                } else if cuts.group {
+                    // each expert's down rows after its own gate/up rows: the shared experts'
+                    // (2 groups), then the routed experts' (6)
+                    let sgu = push((5632, Some(o), None, 0, 0, 2));
+                    let rgu = push((16896, Some(o), Some(router), 0, 0, 6));
+                    push((2816, Some(sgu), None, 0, 0, 2));
+                    push((8448, Some(rgu), None, 0, 0, 6))
+                } else {
+                    push((5632, Some(o), None, 0, 0, 0));
+                    let routed = push((16896, Some(o), Some(router), 0, 0, 0));
+                    push((11264, Some(routed), None, 0, 0, 0))
+                }
             }
         });
     }
@@ -167,14 +226,15 @@ fn chain_shape(layers: usize, trips: Option<usize>, linked: bool) -> Vec<ChainPh
 }
 
 /// `stream_chain`'s phase table: per phase rows, dep, gate, trips (-1 for none), the first
-/// output's index and the first page's index (in the order the phases come).
+/// output's index, the first page's index (in the order the phases come), the words added
+/// at its end and its groups.
 fn chain_table(phases: &[ChainPhase]) -> Vec<i32> {
     let (mut y0, mut u0) = (0usize, 0usize);
     let opt = |o: Option<usize>| o.map_or(-1, |v| v as i32);
-    let mut t = Vec::with_capacity(phases.len() * 6);
+    let mut t = Vec::with_capacity(phases.len() * CHAIN_FIELDS);
     for p in phases {
         t.extend([p.rows as i32, opt(p.dep), opt(p.gate), p.trips as i32]);
-        t.extend([y0 as i32, u0 as i32]);
+        t.extend([y0 as i32, u0 as i32, p.red as i32, p.groups as i32]);
         y0 += p.rows;
         u0 += p.rows * CHAIN_K * 2 / CHAIN_PAGE;
     }
@@ -305,6 +365,13 @@ impl CudaBackend {
                     vec![ring_op(streamed, LAT_UNIT, ppw.max(1), LAT_MODE, probe)]
                 })?;
             }
+            // and behind shallower rings (one page of 2 or 4 KiB a warp: 14 or 28 KiB in flight
+            // an SM), whether a round trip shortens with less queued while the rate holds
+            for unit in [2048, 4096] {
+                let p = StreamPoint::new("lat", unit, 1, LAT_MODE, (WARPS - 1) * unit, bytes);
+                let probe = [chase.ptr(), lat.ptr()];
+                measure(p, &|| vec![ring_op(bytes, unit, 1, LAT_MODE, probe)])?;
+            }
             // the chain probe: the free and dense chains, then the layer's dependencies with
             // the attention 0, 8 and 24 round trips long, each by the copying lane and some
             // by the warps' own copies or with pages asked ahead into L2
@@ -319,30 +386,46 @@ impl CudaBackend {
             }
             // counters and outputs for the shape with the most phases and rows
             let widest = chain_phases(CHAIN_LAYERS, Some(0));
-            let cnt = inner.scratch(widest.len(), 4)?;
+            let cnt = inner.scratch(widest.len() * (1 + CHAIN_MAXG), 4)?;
             let y = inner.scratch(widest.iter().map(|p| p.rows).sum::<usize>(), 4)?;
+            // the integer sums of the `+k` rows' split products (one output all layers share)
+            let red = inner.scratch(CHAIN_K, 8)?;
             // (shape, ring pages of the block, pages a warp where the warps copy their own,
-            // pages further on the copying lane asks into L2)
+            // pages further on the copying lane asks into L2, meetings cut)
+            let none = ChainCuts::default();
+            let cuts = |c: &str| ChainCuts {
+                router: c.contains('r'),
+                split: c.contains('k'),
+                group: c.contains('g'),
+            };
+            let (r, k, g, rk, rg) = (cuts("r"), cuts("k"), cuts("g"), cuts("rk"), cuts("rg"));
             let variants = [
-                (None, false, most, 0, 0),
-                (None, false, 24, 3, 0),
-                (None, true, 8.min(most), 0, 0),
-                (None, true, most, 0, 0),
-                (None, true, 24, 3, 0),
-                (None, true, most, 0, 16),
-                (None, true, most, 0, 48),
-                (Some(0), true, most, 0, 0),
-                (Some(8), true, most, 0, 0),
-                (Some(24), true, most, 0, 0),
-                (Some(8), true, 24, 3, 0),
-                (Some(8), true, most, 0, 16),
-                (Some(8), true, most, 0, 48),
+                (None, false, most, 0, 0, none),
+                (None, false, 24, 3, 0, none),
+                (None, true, 8.min(most), 0, 0, none),
+                (None, true, most, 0, 0, none),
+                (None, true, 24, 3, 0, none),
+                (None, true, most, 0, 16, none),
+                (None, true, most, 0, 48, none),
+                (Some(0), true, most, 0, 0, none),
+                (Some(8), true, most, 0, 0, none),
+                (Some(24), true, most, 0, 0, none),
+                (Some(8), true, 24, 3, 0, none),
+                (Some(8), true, most, 0, 16, none),
+                (Some(8), true, most, 0, 48, none),
+                (Some(8), true, most, 0, 0, r),
+                (Some(8), true, most, 0, 0, k),
+                (Some(8), true, most, 0, 0, rk),
+                (Some(8), true, most, 0, 0, g),
+                (Some(8), true, most, 0, 0, rg),
+                (Some(0), true, most, 0, 0, rg),
+                (Some(24), true, most, 0, 0, rg),
             ];
-            for (trips, linked, pages, own, l2) in variants {
+            for (trips, linked, pages, own, l2, cuts) in variants {
                 if pages > most {
                     continue;
                 }
-                let phases = chain_shape(CHAIN_LAYERS, trips, linked);
+                let phases = chain_shape(CHAIN_LAYERS, trips, linked, cuts);
                 let table = chain_table(&phases);
                 let tb = inner.scratch(table.len(), 4)?;
                 inner.push(Op::Upload {
@@ -358,10 +441,20 @@ impl CudaBackend {
                     pages * CHAIN_PAGE,
                     streamed,
                 );
+                let cut: String = [(cuts.router, 'r'), (cuts.split, 'k'), (cuts.group, 'g')]
+                    .iter()
+                    .filter(|c| c.0)
+                    .map(|c| c.1)
+                    .collect();
+                let cut = if cut.is_empty() {
+                    cut
+                } else {
+                    format!("+{cut}")
+                };
                 p.variant = match (trips, linked) {
                     (_, false) => "free".to_string(),
                     (None, true) => "dense".to_string(),
-                    (Some(t), true) => format!("moe/{t}"),
+                    (Some(t), true) => format!("moe/{t}{cut}"),
                 } + &if own > 0 {
                     "+own".to_string()
                 } else if l2 > 0 {
@@ -382,10 +475,12 @@ impl CudaBackend {
                     cnt.ptr(),
                     chase.ptr(),
                     stat.ptr(),
+                    red.ptr(),
                 ];
                 // counters, the round trips' lines and the times zeroed, then the launch (timed
                 // together: the small memsets are a few µs of a launch of milliseconds)
-                let (cnt_ptr, chase_ptr, cnt_bytes) = (cnt.ptr(), chase.ptr(), phases.len() * 4);
+                let (cnt_ptr, chase_ptr, cnt_bytes) =
+                    (cnt.ptr(), chase.ptr(), phases.len() * (1 + CHAIN_MAXG) * 4);
                 let stat_ptr = stat.ptr();
                 let ops = move || {
                     vec![
@@ -457,7 +552,10 @@ fn wait_shares(stat: &[u64]) -> [f64; 3] {
 
 #[cfg(test)]
 mod tests {
-    use super::{chain_phases, chain_shape, chain_table, median_round_trip, wait_shares, CHAIN_K};
+    use super::{
+        chain_phases, chain_shape, chain_table, median_round_trip, wait_shares, ChainCuts,
+        CHAIN_FIELDS, CHAIN_K,
+    };
 
     #[test]
     fn wait_shares_are_each_share_of_the_median_block() {
@@ -478,14 +576,14 @@ mod tests {
         assert_eq!(bytes(&moe), (3648 + 2048 + 64 + 22528 + 11264) * row);
         assert_eq!(bytes(&dense) + 64 * row, bytes(&moe));
         // `free`: the dense rows with no phase waiting for another
-        let free = chain_shape(2, None, false);
+        let free = chain_shape(2, None, false, ChainCuts::default());
         assert_eq!(
             free.iter().map(|p| p.rows).collect::<Vec<_>>(),
             [3648, 2048, 22528, 11264].repeat(2)
         );
         assert!(free
             .iter()
-            .all(|p| p.dep.is_none() && p.gate.is_none() && p.trips == 0));
+            .all(|p| p.dep.is_none() && p.gate.is_none() && p.trips == 0 && p.red == 0));
         // every phase depends on an earlier one; only the routed gate/up waits to copy
         for v in [&dense, &moe] {
             assert_eq!(v[0].dep, None);
@@ -509,11 +607,65 @@ mod tests {
         assert_eq!(moe[7].dep, Some(6));
         // the table: outputs and pages laid one phase after another
         let t = chain_table(&moe);
-        assert_eq!(t.len(), 14 * 6);
-        assert_eq!(&t[..6], &[3648, -1, -1, 0, 0, 0]);
-        assert_eq!(&t[6..12], &[0, 0, -1, 8, 3648, 1824]);
-        assert_eq!(&t[12..18], &[2048, 1, -1, 0, 3648, 1824]);
-        assert_eq!(t[5 * 6 + 2], 3);
+        let f = CHAIN_FIELDS;
+        assert_eq!(t.len(), 14 * f);
+        assert_eq!(&t[..f], &[3648, -1, -1, 0, 0, 0, 0, 0]);
+        assert_eq!(&t[f..2 * f], &[0, 0, -1, 8, 3648, 1824, 0, 0]);
+        assert_eq!(&t[2 * f..3 * f], &[2048, 1, -1, 0, 3648, 1824, 0, 0]);
+        assert_eq!(t[5 * f + 2], 3);
+        // the cuts: the same bytes a layer in fewer phases, each cut one meeting fewer
+        let cut = |router, split, group| {
+            chain_shape(
+                2,
+                Some(8),
+                true,
+                ChainCuts {
+                    router,
+                    split,
+                    group,
+                },
+            )
+        };
+        for (router, split, group, phases) in [
+            (true, false, false, 6),
+            (false, true, false, 6),
+            (true, true, false, 5),
+            (false, false, true, 8),
+            (true, false, true, 7),
+        ] {
+            let v = cut(router, split, group);
+            assert_eq!(v.len(), 2 * phases, "router {router} split {split}");
+            assert_eq!(bytes(&v), bytes(&moe));
+            // the routed rows wait for o's count where the router is folded into it
+            let g = v.iter().position(|p| p.gate.is_some()).unwrap();
+            assert_eq!(
+                v[v[g].gate.unwrap()].rows,
+                if router { 2048 + 64 } else { 64 }
+            );
+            // a split layer's last phase adds a row of partial sums; nothing else does
+            let reds: Vec<_> = v.iter().map(|p| p.red).collect();
+            let last = if split { CHAIN_K } else { 0 };
+            assert_eq!(reds[phases - 1], last);
+            assert_eq!(reds.iter().sum::<usize>(), 2 * last);
+            assert_eq!(v[phases].dep, Some(phases - 1));
+            // grouped: each down phase depends on the gate/up phase of as many groups (experts),
+            // whose units divide into them; nothing else is grouped
+            for (i, p) in v.iter().enumerate() {
+                if p.groups > 0 {
+                    assert!(group);
+                    assert_eq!((p.rows / 2) % p.groups, 0, "phase {i}");
+                    if let Some(d) = p.dep.filter(|&d| v[d].groups > 0) {
+                        assert_eq!(v[d].groups, p.groups);
+                        assert_eq!(v[d].rows / p.rows, 2, "gate/up rows twice the down rows");
+                    }
+                }
+            }
+            assert_eq!(
+                v.iter().filter(|p| p.groups > 0).count(),
+                if group { 8 } else { 0 }
+            );
+        }
+        assert_eq!(t[7], 0);
     }
 
     #[test]
