@@ -50,7 +50,7 @@ pub struct StreamPoint {
     /// `lat`: each measured launch's median over blocks of the nanoseconds an L2 round trip
     /// took while the block's other warps streamed.
     pub round_trip_ns: Vec<f64>,
-    /// `chain`: the shape ([`chain_phases`]: `free`, `dense`, or `moe/` and the attention's
+    /// `chain`: the shape (`chain_phases`: `free`, `dense`, or `moe/` and the attention's
     /// round trips, with `+r`, `+k` or `+rk` for the meetings cut ([`ChainCuts`]); `+own`
     /// where each warp copies its own pages, `mode` a warp; `+l2/N`
     /// where the copying lane asks N pages beyond the ring into L2) and its
@@ -150,11 +150,12 @@ pub struct ChainCuts {
 /// (5,632) from o's output; the routed experts' gate/up (16,896), whose rows are copied only
 /// once the router is done; their down after every gate/up; the next layer's q/kv_a after the
 /// down.
-pub fn chain_phases(layers: usize, trips: Option<usize>) -> Vec<ChainPhase> {
+#[cfg(test)]
+fn chain_phases(layers: usize, trips: Option<usize>) -> Vec<ChainPhase> {
     chain_shape(layers, trips, true, ChainCuts::default())
 }
 
-/// [`chain_phases`], or with `linked` false the dense chain's rows with no phase waiting for
+/// `chain_phases`, or with `linked` false the dense chain's rows with no phase waiting for
 /// another (`free`: what the launch's copies and products stream without the meetings); the
 /// `moe` shapes with `cuts`' meetings left out.
 fn chain_shape(
@@ -384,10 +385,6 @@ impl CudaBackend {
             if most < 2 {
                 return Ok(());
             }
-            // counters and outputs for the shape with the most phases and rows
-            let widest = chain_phases(CHAIN_LAYERS, Some(0));
-            let cnt = inner.scratch(widest.len() * (1 + CHAIN_MAXG), 4)?;
-            let y = inner.scratch(widest.iter().map(|p| p.rows).sum::<usize>(), 4)?;
             // the integer sums of the `+k` rows' split products (one output all layers share)
             let red = inner.scratch(CHAIN_K, 8)?;
             // (shape, ring pages of the block, pages a warp where the warps copy their own,
@@ -421,11 +418,26 @@ impl CudaBackend {
                 (Some(0), true, most, 0, 0, rg),
                 (Some(24), true, most, 0, 0, rg),
             ];
-            for (trips, linked, pages, own, l2, cuts) in variants {
+            // counters and outputs for the shapes with the most phases and rows
+            let shapes: Vec<_> = variants
+                .iter()
+                .map(|&(trips, linked, _, _, _, cuts)| {
+                    chain_shape(CHAIN_LAYERS, trips, linked, cuts)
+                })
+                .collect();
+            let most_phases = shapes.iter().map(Vec::len).max().unwrap_or(0);
+            let most_rows = shapes
+                .iter()
+                .map(|v| v.iter().map(|p| p.rows).sum::<usize>())
+                .max()
+                .unwrap_or(0);
+            let cnt = inner.scratch(most_phases * (1 + CHAIN_MAXG), 4)?;
+            let y = inner.scratch(most_rows, 4)?;
+            for ((trips, linked, pages, own, l2, cuts), phases) in variants.into_iter().zip(shapes)
+            {
                 if pages > most {
                     continue;
                 }
-                let phases = chain_shape(CHAIN_LAYERS, trips, linked, cuts);
                 let table = chain_table(&phases);
                 let tb = inner.scratch(table.len(), 4)?;
                 inner.push(Op::Upload {
