@@ -1906,10 +1906,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // reaches its first routed unit or its end
     bool sh_counted = !shf;
     auto count_shared = [&] {
-        if (lane == 0) {
-            __threadfence();
-            atomicAdd(&cnt[6], 1u);
-        }
+        if (lane == 0) grid_arrive(&cnt[6]);
         sh_counted = true;
     };
     // gate/up: unit u by warp u % 8
@@ -2061,8 +2058,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     } else {
         // the shared slots' units of the warp's (at most two) row pairs before the meeting
         if (tid == 0) {
-            __threadfence();
-            atomicAdd(&cnt[1], 1u);
+            grid_arrive(&cnt[1]);
             wait_count(&cnt[6], (u32)(G * MOEF_WARPS));
         }
         __syncthreads();

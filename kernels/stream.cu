@@ -135,19 +135,17 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // routed experts' rows wait for the routing; -1 for none), trips (dependent L2 round trips
 // thread 0 makes before the block counts the phase: a latency-bound stage such as the
 // attention's), y0 (the phase's first output in `y`) and u0 (its first page in the weights,
-// wrapped at `wbytes`) and red (words each block adds into `red` before counting the phase:
-// the integer sums that would meet a product split by its input's rows; 0 for none) and
-// groups (the phase's units cut into that many equal groups, experts: a block counts each
-// group its share touches in cnt[nph + CHAIN_MAXG p + g] as well as the phase in cnt[p], and a
-// phase of as many groups that depends on it waits only for the groups its own share
-// touches; 0 for none). Warps
-// 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A
-// block's share of a phase is a contiguous range of its pages; the ring is taken in the
-// block's order of pages across phases; a page's `full` barrier completes when its bytes
-// land, its `empty` barrier when the warp that read it is done (with `own`, see below).
-// cnt[p] counts the blocks that finished phase p (zeroed before the launch, with the groups'
-// counters after them), chase holds
-// each block's 16 KB (zeroed).
+// wrapped at `wbytes`), red (words each block adds into `red` before counting the phase: the
+// integer sums that would meet a product split by its input's rows; 0 for none) and groups
+// (the phase's units cut into that many equal groups, experts: a block counts each group its
+// share touches in cnt[nph + CHAIN_MAXG p + g] as well as the phase in cnt[p], and a phase of
+// as many groups that depends on it waits only for the groups its own share touches; 0 for
+// none). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A block's share of a
+// phase is a contiguous range of its pages; the ring is taken in the block's order of pages
+// across phases; a page's `full` barrier completes when its bytes land, its `empty` barrier
+// when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
+// finished phase p (zeroed before the launch, with the groups' counters after them), chase
+// holds each block's 16 KB (zeroed).
 #define CHAIN_FIELDS 8
 #define CHAIN_MAXG 8
 #define CHAIN_K 2048

@@ -51,7 +51,7 @@ pub struct StreamPoint {
     /// took while the block's other warps streamed.
     pub round_trip_ns: Vec<f64>,
     /// `chain`: the shape (`chain_phases`: `free`, `dense`, or `moe/` and the attention's
-    /// round trips, with `+r`, `+k` or `+rk` for the meetings cut ([`ChainCuts`]); `+own`
+    /// round trips, with `+` and `r`, `k` or `g` for the meetings cut ([`ChainCuts`]); `+own`
     /// where each warp copies its own pages, `mode` a warp; `+l2/N`
     /// where the copying lane asks N pages beyond the ring into L2) and its
     /// layers (empty and 0 otherwise).
@@ -646,7 +646,11 @@ mod tests {
             (true, false, true, 7),
         ] {
             let v = cut(router, split, group);
-            assert_eq!(v.len(), 2 * phases, "router {router} split {split}");
+            assert_eq!(
+                v.len(),
+                2 * phases,
+                "router {router} split {split} group {group}"
+            );
             assert_eq!(bytes(&v), bytes(&moe));
             // the routed rows wait for o's count where the router is folded into it
             let g = v.iter().position(|p| p.gate.is_some()).unwrap();
