@@ -142,6 +142,31 @@ pub struct ChainCuts {
     pub group: bool,
 }
 
+impl ChainCuts {
+    /// The cuts a row's tag names (`r`, `k`, `g`; any order).
+    fn from_tag(tag: &str) -> Self {
+        ChainCuts {
+            router: tag.contains('r'),
+            split: tag.contains('k'),
+            group: tag.contains('g'),
+        }
+    }
+
+    /// The row's tag: `+` and the cuts' letters, or empty for none.
+    fn tag(self) -> String {
+        let cut: String = [(self.router, 'r'), (self.split, 'k'), (self.group, 'g')]
+            .iter()
+            .filter(|c| c.0)
+            .map(|c| c.1)
+            .collect();
+        if cut.is_empty() {
+            cut
+        } else {
+            format!("+{cut}")
+        }
+    }
+}
+
 /// The chain probe's phases for `layers` Moonlight MoE layers, as rows of 2,048 bf16 (a
 /// layer's 162 MB of weights). `trips: None` (`dense`): four products each taking the one
 /// before as its input (q/kv_a 3,648 rows, o 2,048, the 8 experts' gate/up 22,528, their down
@@ -390,11 +415,7 @@ impl CudaBackend {
             // (shape, ring pages of the block, pages a warp where the warps copy their own,
             // pages further on the copying lane asks into L2, meetings cut)
             let none = ChainCuts::default();
-            let cuts = |c: &str| ChainCuts {
-                router: c.contains('r'),
-                split: c.contains('k'),
-                group: c.contains('g'),
-            };
+            let cuts = ChainCuts::from_tag;
             let (r, k, g, rk, rg) = (cuts("r"), cuts("k"), cuts("g"), cuts("rk"), cuts("rg"));
             let variants = [
                 (None, false, most, 0, 0, none),
@@ -453,20 +474,10 @@ impl CudaBackend {
                     pages * CHAIN_PAGE,
                     streamed,
                 );
-                let cut: String = [(cuts.router, 'r'), (cuts.split, 'k'), (cuts.group, 'g')]
-                    .iter()
-                    .filter(|c| c.0)
-                    .map(|c| c.1)
-                    .collect();
-                let cut = if cut.is_empty() {
-                    cut
-                } else {
-                    format!("+{cut}")
-                };
                 p.variant = match (trips, linked) {
                     (_, false) => "free".to_string(),
                     (None, true) => "dense".to_string(),
-                    (Some(t), true) => format!("moe/{t}{cut}"),
+                    (Some(t), true) => format!("moe/{t}{}", cuts.tag()),
                 } + &if own > 0 {
                     "+own".to_string()
                 } else if l2 > 0 {
@@ -625,6 +636,10 @@ mod tests {
         assert_eq!(&t[f..2 * f], &[0, 0, -1, 8, 3648, 1824, 0, 0]);
         assert_eq!(&t[2 * f..3 * f], &[2048, 1, -1, 0, 3648, 1824, 0, 0]);
         assert_eq!(t[5 * f + 2], 3);
+        // a row's tag names its cuts and back
+        for tag in ["", "+r", "+k", "+rk", "+g", "+rg"] {
+            assert_eq!(ChainCuts::from_tag(tag).tag(), tag);
+        }
         // the cuts: the same bytes a layer in fewer phases, each cut one meeting fewer
         let cut = |router, split, group| {
             chain_shape(
@@ -681,7 +696,6 @@ mod tests {
                 if group { 8 } else { 0 }
             );
         }
-        assert_eq!(t[7], 0);
     }
 
     #[test]
