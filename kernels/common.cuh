@@ -149,17 +149,11 @@ __device__ __forceinline__ void wait_count(const u32* p, u32 n) {
     }
 }
 
-// One thread's arrival at a grid-wide meeting: the writes it has made or seen (a block's,
-// past a block barrier) made visible, then its arrival counted at `c`.
-__device__ __forceinline__ void grid_arrive(u32* c) {
+// One thread of each block of a grid (all resident) at a grid-wide meeting: the block's writes
+// made visible, its arrival counted at `c`, then the wait for all `n` blocks' arrivals.
+__device__ __forceinline__ void grid_arrive_wait(u32* c, u32 n) {
     __threadfence();
     atomicAdd(c, 1u);
-}
-
-// One thread of each block of a grid (all resident) at a grid-wide meeting: the block's
-// arrival (grid_arrive), then the wait for all `n` blocks' arrivals.
-__device__ __forceinline__ void grid_arrive_wait(u32* c, u32 n) {
-    grid_arrive(c);
     wait_count(c, n);
 }
 

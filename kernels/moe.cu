@@ -1644,21 +1644,7 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #else
 #define MOEF_TICKET true
 #endif
-#define MOEF_COUNTERS 7
-
-// The shared experts' down units before the grid's meeting (draft, MOEF_X_SHDOWN): each warp
-// counts itself (cnt[6]) once its shared experts' gate/up units are stored, which every block
-// takes first; past its gate/up units a block counts its arrival at the meeting (cnt[1]) but
-// waits only for cnt[6], stages the shared slots' values and takes its row pairs' shared-slot
-// units, then waits for the meeting and takes the picked experts' units. A warp's down units
-// are then asked for in that order (all its shared-slot units first) where it has two row
-// pairs; the sums run in the same order (shared slots first), so the outputs do not change.
-// Taken where no block has more than two row pairs a warp (16) and the layer has shared experts.
-#ifdef MOEF_X_SHDOWN
-#define MOEF_SHDOWN true
-#else
-#define MOEF_SHDOWN false
-#endif
+#define MOEF_COUNTERS 6
 
 // The end of a block (session 29): its arrival counted (cnt[2]) right after its last wait and
 // its down rows' residual values loaded before their units, so its last warps wait for no
@@ -1754,28 +1740,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
     };
-    // the warp's down units: row pair pi (its pi-th, pair warp + 8 pi) and slot q of down unit k,
-    // and back; with `shf` its shared-slot units of every row pair come first
-    const int my_rp = share(nrp, warp);
-    // (the same for every block: the largest block's row pairs decide, since every warp of the
-    // grid is counted at cnt[6] by those that take it and waited for by all)
-    const bool shf = MOEF_SHDOWN && n_shared > 0 && (d / 2 + G - 1) / G <= 2 * MOEF_WARPS;
-    auto down_of = [&](int k, int& pi, int& q) {
-        if (!shf) {
-            pi = k / S;
-            q = k % S;
-        } else if (k < my_rp * n_shared) {
-            pi = k / n_shared;
-            q = k % n_shared;
-        } else {
-            k -= my_rp * n_shared;
-            pi = k / K;
-            q = n_shared + k % K;
-        }
-    };
-    auto down_at = [&](int pi, int q) {
-        return !shf ? pi * S + q : q < n_shared ? pi * n_shared + q : my_rp * n_shared + pi * K + (q - n_shared);
-    };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
     // layer's units, i after them
@@ -1789,7 +1753,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             return;
         }
         const int i = ia - my_no;
-        const int u = warp + MOEF_WARPS * i;
+        const int u = warp + MOEF_WARPS * i, q = (i - my_ng) % S;
         const bf16_t *p0, *p1;
         u32 bytes = (u32)d * 2;
         if (i >= my_gd) {
@@ -1814,9 +1778,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + (long)r * d;
             p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + (long)r * d;
         } else {
-            int pi, q;
-            down_of(i - my_ng, pi, q);
-            const long r = 2L * (rp0 + pi * MOEF_WARPS + warp);
+            const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
             p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
                               : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
             p1 = p0 + (q < n_shared ? ush : inter);
@@ -1904,16 +1866,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // the pages left free: the warp has read its units of the product before the layer
     if (MOEF_ISSUER)
         while (issued < my_no + ppw && issued < my_units) issue(issued++);
-    // (shf) the warp's shared experts' gate/up values stored and counted (cnt[6]) once it
-    // reaches its first routed unit or its end
-    bool sh_counted = !shf;
-    auto count_shared = [&] {
-        if (lane == 0) grid_arrive(&cnt[6]);
-        sh_counted = true;
-    };
     // gate/up: unit u by warp u % 8
     for (int u = warp; u < ngu; u += MOEF_WARPS) {
-        if (!sh_counted && u >= nsh) count_shared();
         const int i = my_no + u / MOEF_WARPS, pg = warp * ppw + i % ppw;
         mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
         const bf16_t* wg = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
@@ -1949,7 +1903,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             act_store(act, (long)s * inter + j % inter, swiglu(gs, us));
         }
     }
-    if (!sh_counted) count_shared();
     // every block's gate/up done
     __syncthreads();
     di_trace_phase(2);
@@ -1957,81 +1910,71 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // trip is left for its end: the last block out zeroes the counters, none of which any
     // block waits on by then (MOEF_X_LATE_END: counted at the end, as before session 29)
     u32 out_before = 0;
-    // the grid's meeting (cnt[1]); with `shf` the block counts itself now and waits later
-    auto meet = [&] {
-        if (tid == 0) {
-            if (shf)
-                wait_count(&cnt[1], (u32)G);
-            else
-                grid_arrive_wait(&cnt[1], (u32)G);
-            if (MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
+    if (tid == 0) {
+        grid_arrive_wait(&cnt[1], (u32)G);
+        if (MOEF_EARLY_END && qrows == 0) out_before = atomicAdd(&cnt[2], 1u);
+    }
+    __syncthreads();
+    di_trace_phase(3);
+    pdl_launch_dependents();
+    // every load of a round in flight before its stores (one L2 round trip for 8 x 256 chunks)
+    for (int e0 = tid; e0 < S * ich; e0 += 8 * 32 * MOEF_WARPS) {
+        uint4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int e = e0 + k * 32 * MOEF_WARPS;
+            if (e < S * ich) v[k] = __ldcg(reinterpret_cast<const uint4*>(act) + e);
         }
-        __syncthreads();
-        di_trace_phase(3);
-        pdl_launch_dependents();
-    };
-    // the slots' values [e0, e1) (in 16-byte chunks) staged in shared memory: every load of a
-    // round in flight before its stores (one L2 round trip for 8 x 256 chunks)
-    auto stage_acts = [&](int c0, int c1) {
-        for (int e0 = c0 + tid; e0 < c1; e0 += 8 * 32 * MOEF_WARPS) {
-            uint4 v[8];
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int e = e0 + k * 32 * MOEF_WARPS;
-                if (e < c1) v[k] = __ldcg(reinterpret_cast<const uint4*>(act) + e);
-            }
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int e = e0 + k * 32 * MOEF_WARPS;
-                if (e < c1) reinterpret_cast<uint4*>(acts)[e] = v[k];
-            }
+        for (int k = 0; k < 8; k++) {
+            const int e = e0 + k * 32 * MOEF_WARPS;
+            if (e < S * ich) reinterpret_cast<uint4*>(acts)[e] = v[k];
         }
-        __syncthreads();
-    };
-    // down unit (pi, q) of the warp: row pair warp + 8 pi, slot q, added into acc
-    auto down_unit = [&](int pi, int q, float (&acc)[MOEF_MAXIJ][2]) {
-        const int i = my_no + my_ng + down_at(pi, q), pg = warp * ppw + i % ppw;
-        const int sl = q < n_shared ? K + q : q - n_shared;
-        const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
-        mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
-        const bf16_t* w0 = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
-#ifdef DI_X_NOCOMPUTE
-        if (w0 != nullptr) {
-            __syncwarp();
-            if (MOEF_ISSUER && issued < my_units) issue(issued++);
-            return;
-        }
-#endif
-#pragma unroll
-        for (int j = 0; j < MOEF_MAXIJ; j++) {
-            const int c = lane + 32 * j;
-            if (c < ich) {
-                float hv[8], wf[8];
-                bf16x8_to_f32(*reinterpret_cast<const uint4*>(acts + (long)sl * inter + c * 8), hv);
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    bf16x8_to_f32(*reinterpret_cast<const uint4*>(w0 + (long)rr * inter + c * 8), wf);
-                    float pp = 0.0f;
-#pragma unroll
-                    for (int k = 0; k < 8; k++) pp = fmaf(wf[k], hv[k], pp);
-                    acc[j][rr] = fmaf(wt, pp, acc[j][rr]);
-                }
-            }
-        }
-        __syncwarp();
-        if (MOEF_ISSUER && issued < my_units) issue(issued++);
-    };
-    // the pair's residual values, asked for before its units so the pair's end waits for no
-    // load (through L2: another block may have added the product before the layer; no block
-    // writes these rows after the grid's meeting but this warp)
-    auto pair_start = [&](int p, float (&rv)[2], float (&acc)[MOEF_MAXIJ][2]) {
-        rv[0] = rv[1] = 0.0f;
+    }
+    __syncthreads();
+    // down: row pair p of this block by warp p % 8, its slots' units in turn
+    for (int p = warp; p < nrp; p += MOEF_WARPS) {
+        // the pair's residual values, asked for now so the pair's end waits for no load
+        // (through L2: another block may have added the product before the layer; no block
+        // writes these rows after the grid's meeting but this warp)
+        float rv[2] = {0.0f, 0.0f};
         if (MOEF_EARLY_END && lane == 0 && res != nullptr)
             for (int i = 0; i < 2; i++) rv[i] = act_load_cg(res, 2L * (rp0 + p) + i);
+        float acc[MOEF_MAXIJ][2];
 #pragma unroll
         for (int j = 0; j < MOEF_MAXIJ; j++) acc[j][0] = acc[j][1] = 0.0f;
-    };
-    auto pair_end = [&](int p, const float (&rv)[2], const float (&acc)[MOEF_MAXIJ][2]) {
+        for (int q = 0; q < S; q++) {
+            const int i = my_no + my_ng + p / MOEF_WARPS * S + q, pg = warp * ppw + i % ppw;
+            const int sl = q < n_shared ? K + q : q - n_shared;
+            const float wt = q < n_shared ? 1.0f : selw[q - n_shared];
+            mbar_wait(full0 + 8 * pg, (u32)((i / ppw) & 1));
+            const bf16_t* w0 = reinterpret_cast<const bf16_t*>(moef_smem + (long)pg * page);
+#ifdef DI_X_NOCOMPUTE
+            if (w0 != nullptr) {
+                __syncwarp();
+                if (MOEF_ISSUER && issued < my_units) issue(issued++);
+                continue;
+            }
+#endif
+#pragma unroll
+            for (int j = 0; j < MOEF_MAXIJ; j++) {
+                const int c = lane + 32 * j;
+                if (c < ich) {
+                    float hv[8], wf[8];
+                    bf16x8_to_f32(*reinterpret_cast<const uint4*>(acts + (long)sl * inter + c * 8), hv);
+#pragma unroll
+                    for (int rr = 0; rr < 2; rr++) {
+                        bf16x8_to_f32(*reinterpret_cast<const uint4*>(w0 + (long)rr * inter + c * 8), wf);
+                        float pp = 0.0f;
+#pragma unroll
+                        for (int k = 0; k < 8; k++) pp = fmaf(wf[k], hv[k], pp);
+                        acc[j][rr] = fmaf(wt, pp, acc[j][rr]);
+                    }
+                }
+            }
+            __syncwarp();
+            if (MOEF_ISSUER && issued < my_units) issue(issued++);
+        }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float v = 0.0f;
@@ -2046,40 +1989,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                     act_store(res, o, (MOEF_EARLY_END ? rv[i] : act_load_cg(res, o)) + act_round(out, v));
             }
         }
-    };
-    if (!shf) {
-        meet();
-        stage_acts(0, S * ich);
-        // down: row pair p of this block by warp p % 8, its slots' units in turn
-        for (int p = warp; p < nrp; p += MOEF_WARPS) {
-            float rv[2], acc[MOEF_MAXIJ][2];
-            pair_start(p, rv, acc);
-            for (int q = 0; q < S; q++) down_unit(p / MOEF_WARPS, q, acc);
-            pair_end(p, rv, acc);
-        }
-    } else {
-        // the shared slots' units of the warp's (at most two) row pairs before the meeting
-        if (tid == 0) {
-            grid_arrive(&cnt[1]);
-            wait_count(&cnt[6], (u32)(G * MOEF_WARPS));
-        }
-        __syncthreads();
-        stage_acts(K * ich, S * ich);
-        float rv[2][2], acc[2][MOEF_MAXIJ][2];
-#pragma unroll
-        for (int pi = 0; pi < 2; pi++)
-            if (pi < my_rp) {
-                pair_start(warp + MOEF_WARPS * pi, rv[pi], acc[pi]);
-                for (int q = 0; q < n_shared; q++) down_unit(pi, q, acc[pi]);
-            }
-        meet();
-        stage_acts(0, K * ich);
-#pragma unroll
-        for (int pi = 0; pi < 2; pi++)
-            if (pi < my_rp) {
-                for (int q = n_shared; q < S; q++) down_unit(pi, q, acc[pi]);
-                pair_end(warp + MOEF_WARPS * pi, rv[pi], acc[pi]);
-            }
     }
     di_trace_phase(4);
 #ifdef DEEPINFER_TRACE

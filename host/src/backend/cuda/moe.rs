@@ -58,7 +58,7 @@ struct MoeDevice {
     last: DevMem,
     /// 0: f32 expert weights, 1: bf16.
     wi: usize,
-    /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s seven (each left
+    /// Arrival counter of the decode routing kernel, then `moe_ffn1`'s five (each left
     /// zeroed by every launch).
     counter: DevMem,
     /// `moe_ffn1`'s gate/up values of its slots (top k, then the shared experts' slots of
@@ -169,10 +169,9 @@ fn build_state(inner: &Arc<Inner>, layer: &MoeLayer<CudaWeight>, d: usize) -> Re
     } else {
         None
     };
-    // [0]: the decode routing's arrivals; [1..8]: `moe_ffn1`'s (logits, gate/up, blocks done,
-    // residual rows, the o product's rows, the blocks' arrival tickets, warps past their shared
-    // experts' gate/up units)
-    let counter = DevMem::alloc(&inner.ctx, 32)?;
+    // [0]: the decode routing's arrivals; [1..7]: `moe_ffn1`'s (logits, gate/up, blocks done,
+    // residual rows, the o product's rows, the blocks' arrival tickets)
+    let counter = DevMem::alloc(&inner.ctx, 28)?;
     counter.zero(&inner.stream)?;
     let totals = DevMem::alloc(&inner.ctx, e * 8)?;
     totals.zero(&inner.stream)?;
