@@ -1671,6 +1671,12 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[1] = l;
     }
     di_trace_phase(2);
+#ifdef MLA1_X_LATE_TRIGGER
+    // (an experiment: the launch after, the o product, let in once the attention is done rather
+    // than at the start, so its rows' copies do not share the memory with the q / kv_a product
+    // that this launch still waits for)
+    if constexpr (!LAYER) pdl_launch_dependents();
+#endif
     cluster_sync();
     // The splits merged in rank order; every block gets the whole latent output. All the
     // cluster's values are asked for before any is used.
@@ -1747,13 +1753,20 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
 }
 
+#ifdef MLA1_X_LATE_TRIGGER
+#define MLA1_EARLY_TRIGGER() \
+    do {                     \
+    } while (0)
+#else
+#define MLA1_EARLY_TRIGGER() pdl_launch_dependents()
+#endif
 #define MLA_DEC1_WRAPPER(T, S, WT, WS)                                                                               \
     extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_##WS##_##S(                                 \
         T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain, const float* inv_freq,           \
         const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
         int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
         float scale_log2) {                                                                                          \
-        pdl_launch_dependents();                                                                                     \
+        MLA1_EARLY_TRIGGER();                                                                                        \
         mla_dec1_impl<T, WT, false>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,        \
                                     table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2, \
                                     Mla1Layer<T>{});                                                                 \

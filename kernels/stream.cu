@@ -140,7 +140,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // (the phase's units cut into that many equal groups, experts: a block counts each group its
 // share touches in cnt[nph + CHAIN_MAXG p + g] as well as the phase in cnt[p], and a phase of
 // as many groups that depends on it waits only for the groups its own share touches; 0 for
-// none). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A block's share of a
+// none); after the phases, CHAIN_MAXG ints a phase: how many blocks' shares touch each group
+// (the counts those waits wait for). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A block's share of a
 // phase is a contiguous range of its pages; the ring is taken in the block's order of pages
 // across phases; a page's `full` barrier completes when its bytes land, its `empty` barrier
 // when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
@@ -211,23 +212,20 @@ __device__ __forceinline__ void chain_step(ChainWalk& c, const int* ph, int nph,
     c.i += stride;
     if (c.i >= c.e) chain_seek(c, ph, nph, c.p + 1, off, b, G, wp);
 }
-// The groups (of `ng` over the phase's units) that block b's share of phase p touches, [g0, g1).
+// The groups (of `ng` over the phase's units) that block b's share of phase p touches, [g0, g1)
+// (32-bit: a share's units times 8 groups fit; the host counts the same way, `chain_table`).
 __device__ __forceinline__ void chain_groups(const int* ph, int p, int b, int G, int ng, int& g0, int& g1) {
     int a, e;
     chain_share(ph, p, b, G, a, e);
     const int n = ph[CHAIN_FIELDS * p] / 2;
-    g0 = a < e ? (int)((long)a * ng / n) : 0;
-    g1 = a < e ? (int)((long)(e - 1) * ng / n) + 1 : 0;
+    g0 = a < e ? a * ng / n : 0;
+    g1 = a < e ? (e - 1) * ng / n + 1 : 0;
 }
-// Waits until every block whose share of phase `dep` touches group g has counted it.
-__device__ void chain_wait_group(const int* ph, int nph, const u32* cnt, int dep, int ng, int g, int G) {
-    u32 need = 0;
-    for (int bb = 0; bb < G; bb++) {
-        int g0, g1;
-        chain_groups(ph, dep, bb, G, ng, g0, g1);
-        need += (u32)(g0 <= g && g < g1);
-    }
-    wait_count(cnt + nph + CHAIN_MAXG * dep + g, need);
+// Waits until every block whose share of phase `dep` touches group g has counted it (how many:
+// the table's counts after its phases, ph[CHAIN_FIELDS nph + CHAIN_MAXG dep + g], the host's,
+// so the wait walks no other block's share).
+__device__ __forceinline__ void chain_wait_group(const int* ph, int nph, const u32* cnt, int dep, int g) {
+    wait_count(cnt + nph + CHAIN_MAXG * dep + g, (u32)ph[CHAIN_FIELDS * nph + CHAIN_MAXG * dep + g]);
 }
 __device__ __forceinline__ const u8* chain_src(const u8* w, const ChainWalk& c, u32 wp) {
     u32 k = c.base + (u32)c.i;
@@ -336,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
                 // only the groups of the dep that this block's share needs
                 int g0, g1;
                 chain_groups(ph, p, b, G, ng, g0, g1);
-                for (int g = g0; g < g1; g++) chain_wait_group(ph, nph, cnt, dep, ng, g, G);
+                for (int g = g0; g < g1; g++) chain_wait_group(ph, nph, cnt, dep, g);
             } else {
                 wait_count(cnt + dep, (u32)G);
             }

@@ -253,16 +253,34 @@ fn chain_shape(
 
 /// `stream_chain`'s phase table: per phase rows, dep, gate, trips (-1 for none), the first
 /// output's index, the first page's index (in the order the phases come), the words added
-/// at its end and its groups.
-fn chain_table(phases: &[ChainPhase]) -> Vec<i32> {
+/// at its end and its groups; then per phase [`CHAIN_MAXG`] counts, how many of `blocks`
+/// blocks' shares touch each of its groups (what a phase waiting on its groups waits for,
+/// counted here so the kernel walks no other block's share).
+fn chain_table(phases: &[ChainPhase], blocks: usize) -> Vec<i32> {
     let (mut y0, mut u0) = (0usize, 0usize);
     let opt = |o: Option<usize>| o.map_or(-1, |v| v as i32);
-    let mut t = Vec::with_capacity(phases.len() * CHAIN_FIELDS);
+    let mut t = Vec::with_capacity(phases.len() * (CHAIN_FIELDS + CHAIN_MAXG));
     for p in phases {
         t.extend([p.rows as i32, opt(p.dep), opt(p.gate), p.trips as i32]);
         t.extend([y0 as i32, u0 as i32, p.red as i32, p.groups as i32]);
         y0 += p.rows;
         u0 += p.rows * CHAIN_K * 2 / CHAIN_PAGE;
+    }
+    for p in phases {
+        let mut need = [0i32; CHAIN_MAXG];
+        // (the kernel's `chain_share` and `chain_groups`, in the same integer steps)
+        let (n, ng) = (p.rows / 2, p.groups.min(CHAIN_MAXG));
+        if ng > 0 && n > 0 {
+            for b in 0..blocks {
+                let (a, e) = (n * b / blocks, n * (b + 1) / blocks);
+                if a < e {
+                    for g in need.iter_mut().take((e - 1) * ng / n + 1).skip(a * ng / n) {
+                        *g += 1;
+                    }
+                }
+            }
+        }
+        t.extend(need);
     }
     t
 }
@@ -459,7 +477,7 @@ impl CudaBackend {
                 if pages > most {
                     continue;
                 }
-                let table = chain_table(&phases);
+                let table = chain_table(&phases, sms as usize);
                 let tb = inner.scratch(table.len(), 4)?;
                 inner.push(Op::Upload {
                     ptr: tb.ptr(),
@@ -577,7 +595,7 @@ fn wait_shares(stat: &[u64]) -> [f64; 3] {
 mod tests {
     use super::{
         chain_phases, chain_shape, chain_table, median_round_trip, wait_shares, ChainCuts,
-        CHAIN_FIELDS, CHAIN_K,
+        CHAIN_FIELDS, CHAIN_K, CHAIN_MAXG,
     };
 
     #[test]
@@ -629,9 +647,11 @@ mod tests {
         // the second layer's q/kv_a takes the first layer's down output
         assert_eq!(moe[7].dep, Some(6));
         // the table: outputs and pages laid one phase after another
-        let t = chain_table(&moe);
+        let t = chain_table(&moe, 132);
         let f = CHAIN_FIELDS;
-        assert_eq!(t.len(), 14 * f);
+        assert_eq!(t.len(), 14 * (f + CHAIN_MAXG));
+        // no groups, no counts
+        assert!(t[14 * f..].iter().all(|&c| c == 0));
         assert_eq!(&t[..f], &[3648, -1, -1, 0, 0, 0, 0, 0]);
         assert_eq!(&t[f..2 * f], &[0, 0, -1, 8, 3648, 1824, 0, 0]);
         assert_eq!(&t[2 * f..3 * f], &[2048, 1, -1, 0, 3648, 1824, 0, 0]);
@@ -695,6 +715,31 @@ mod tests {
                 v.iter().filter(|p| p.groups > 0).count(),
                 if group { 8 } else { 0 }
             );
+            // the table's counts: for each group, the blocks whose share of the phase has a
+            // unit in it (counted here unit by unit), for a grid of 132 and of 7
+            for blocks in [132usize, 7] {
+                let t = chain_table(&v, blocks);
+                let counts = &t[v.len() * CHAIN_FIELDS..];
+                for (i, p) in v.iter().enumerate() {
+                    let n = p.rows / 2;
+                    let want: Vec<i32> = (0..CHAIN_MAXG)
+                        .map(|g| {
+                            let hit = |b: usize| {
+                                (n * b / blocks..n * (b + 1) / blocks)
+                                    .any(|u| p.groups > 0 && u * p.groups / n == g)
+                            };
+                            (0..blocks).filter(|&b| hit(b)).count() as i32
+                        })
+                        .collect();
+                    assert_eq!(&counts[CHAIN_MAXG * i..CHAIN_MAXG * (i + 1)], &want[..]);
+                    if p.groups > 0 {
+                        // every group's blocks, at least one each, and no more than the grid
+                        assert!(want[..p.groups]
+                            .iter()
+                            .all(|&c| c > 0 && c as usize <= blocks));
+                    }
+                }
+            }
         }
     }
 
