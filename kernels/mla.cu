@@ -1671,10 +1671,12 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[1] = l;
     }
     di_trace_phase(2);
-#ifdef MLA1_X_LATE_TRIGGER
-    // (an experiment: the launch after, the o product, let in once the attention is done rather
-    // than at the start, so its rows' copies do not share the memory with the q / kv_a product
-    // that this launch still waits for)
+#ifndef MLA1_X_EARLY_TRIGGER
+    // The launch after, the o product, let in once the attention is done (session 37), not at
+    // the start: its blocks then copy their rows while the merge and the V projection run
+    // rather than while this launch's own copies and the q / kv_a product before it still
+    // stream. 1.014x on the Moonlight step (H100, doc/benchmarks.md); MLA1_X_EARLY_TRIGGER
+    // builds the trigger at the start, as before.
     if constexpr (!LAYER) pdl_launch_dependents();
 #endif
     cluster_sync();
@@ -1753,12 +1755,12 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
 }
 
-#ifdef MLA1_X_LATE_TRIGGER
+#ifdef MLA1_X_EARLY_TRIGGER
+#define MLA1_EARLY_TRIGGER() pdl_launch_dependents()
+#else
 #define MLA1_EARLY_TRIGGER() \
     do {                     \
     } while (0)
-#else
-#define MLA1_EARLY_TRIGGER() pdl_launch_dependents()
 #endif
 #define MLA_DEC1_WRAPPER(T, S, WT, WS)                                                                               \
     extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_##WS##_##S(                                 \
