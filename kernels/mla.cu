@@ -1179,6 +1179,13 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS, 1) mla_decode_mma4(
 }
 
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----
+// Where mla_dec1 lets the next launch in (see the trigger after the attention's splits):
+// 2 by default; MLA1_X_TRIGGER_AT=1 / 3 for measuring.
+#ifdef MLA1_X_TRIGGER_AT
+#define MLA1_TRIGGER_AT MLA1_X_TRIGGER_AT
+#else
+#define MLA1_TRIGGER_AT 2
+#endif
 //
 // Block (cluster rank b, head h, token t): the C blocks of a cluster (grid (C, H, n), cluster
 // (C, 1, 1)) serve one head of one token. Block b absorbs latent columns [b rc, (b + 1) rc)
@@ -1606,6 +1613,9 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
 
     di_trace_phase(1);
+#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 1
+    if constexpr (!LAYER) pdl_launch_dependents();
+#endif
     // This split's keys, a tile at a time (online softmax). Scores: warp w takes keys w + 8 i
     // (KT / 8 of them together); outputs: thread tid owns latent columns 2 tid, 2 tid + 1.
     constexpr int KW = KT / MLA_WARPS;
@@ -1671,12 +1681,13 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[1] = l;
     }
     di_trace_phase(2);
-#ifndef MLA1_X_EARLY_TRIGGER
+#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 2
     // The launch after, the o product, let in once the attention is done (session 37), not at
     // the start: its blocks then copy their rows while the merge and the V projection run
     // rather than while this launch's own copies and the q / kv_a product before it still
-    // stream. 1.014x on the Moonlight step (H100, doc/benchmarks.md); MLA1_X_EARLY_TRIGGER
-    // builds the trigger at the start, as before.
+    // stream. 1.004-1.019x on the Moonlight step (three H100s, doc/benchmarks.md);
+    // MLA1_X_EARLY_TRIGGER builds the trigger at the start, as before (MLA1_X_TRIGGER_AT=1 / 3:
+    // after the query's staging / after the merge, for measuring; the merge 6% slower).
     if constexpr (!LAYER) pdl_launch_dependents();
 #endif
     cluster_sync();
@@ -1716,6 +1727,9 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
     __syncthreads();
     di_trace_phase(3);
+#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 3
+    if constexpr (!LAYER) pdl_launch_dependents();
+#endif
     // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
 #pragma unroll
     for (int a = 0; a < MLA1_VR; a++) {
