@@ -359,10 +359,8 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 // while the kernel before it runs.
 #define GEMVP_WIDE_RPW 4
 
-#ifdef GEMVP_X_LATE_TRIGGER
-#define GEMVP_LATE_TRIGGER (GEMVP_X_LATE_TRIGGER)
-#else
-#define GEMVP_LATE_TRIGGER 0
+#ifndef GEMVP_X_LATE_TRIGGER
+#define GEMVP_X_LATE_TRIGGER 0
 #endif
 
 template <int MODE, int RPW>
@@ -405,7 +403,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     // (GEMVP_X_LATE_TRIGGER, a measuring draft: a mask of folds, bit 0 plain, 1 RMSNorm, 2
     // residual add, whose launches let the next one in only once their rows have landed, so
     // the next launch's copies before its wait do not share the memory with these rows)
-    constexpr bool LATE = (GEMVP_LATE_TRIGGER >> (NORM ? 1 : ACC ? 2 : 0) & 1) != 0;
+    constexpr bool LATE = ((GEMVP_X_LATE_TRIGGER) >> (NORM ? 1 : ACC ? 2 : 0) & 1) != 0;
     if (!LATE) pdl_launch_dependents();
     pdl_wait();
     float resv[RPW];

@@ -1179,13 +1179,6 @@ extern "C" __global__ void __launch_bounds__(MLA_DTHREADS, 1) mla_decode_mma4(
 }
 
 // ---- Decode steps of one token a sequence: one launch (mla_dec1) ----
-// Where mla_dec1 lets the next launch in (see the trigger after the attention's splits):
-// 2 by default; MLA1_X_TRIGGER_AT=1 / 3 for measuring.
-#ifdef MLA1_X_TRIGGER_AT
-#define MLA1_TRIGGER_AT MLA1_X_TRIGGER_AT
-#else
-#define MLA1_TRIGGER_AT 2
-#endif
 //
 // Block (cluster rank b, head h, token t): the C blocks of a cluster (grid (C, H, n), cluster
 // (C, 1, 1)) serve one head of one token. Block b absorbs latent columns [b rc, (b + 1) rc)
@@ -1407,6 +1400,25 @@ __device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int h,
     }
 }
 
+// Where mla_dec1 lets the next launch, the o product, in: 0 first thing (before session 37;
+// MLA1_X_EARLY_TRIGGER), 1 after the query's staging, 2 after the attention's splits (the
+// default), 3 after the merge; MLA1_X_TRIGGER_AT picks 1 or 3 for measuring. After the
+// attention its blocks copy their rows while the merge and the V projection run rather than
+// while this launch's own copies and the q / kv_a product before it still stream: 1.004-1.019x
+// on the Moonlight step (three H100s; 1 the same, 3 6% slower: doc/benchmarks.md).
+#if defined(MLA1_X_EARLY_TRIGGER)
+#define MLA1_TRIGGER_AT 0
+#elif defined(MLA1_X_TRIGGER_AT)
+#define MLA1_TRIGGER_AT MLA1_X_TRIGGER_AT
+#else
+#define MLA1_TRIGGER_AT 2
+#endif
+// The trigger, where `at` is the place chosen (the fused layer, LAYER, triggers its own way).
+template <bool LAYER>
+__device__ __forceinline__ void mla1_trigger(int at) {
+    if (!LAYER && at == MLA1_TRIGGER_AT) pdl_launch_dependents();
+}
+
 template <typename T, typename WT, bool LAYER>
 __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain,
                               const float* inv_freq, const long* slots, const int* positions, const int* tok_seq,
@@ -1613,9 +1625,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
 
     di_trace_phase(1);
-#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 1
-    if constexpr (!LAYER) pdl_launch_dependents();
-#endif
+    mla1_trigger<LAYER>(1);
     // This split's keys, a tile at a time (online softmax). Scores: warp w takes keys w + 8 i
     // (KT / 8 of them together); outputs: thread tid owns latent columns 2 tid, 2 tid + 1.
     constexpr int KW = KT / MLA_WARPS;
@@ -1681,15 +1691,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         ml[1] = l;
     }
     di_trace_phase(2);
-#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 2
-    // The launch after, the o product, let in once the attention is done (session 37), not at
-    // the start: its blocks then copy their rows while the merge and the V projection run
-    // rather than while this launch's own copies and the q / kv_a product before it still
-    // stream. 1.004-1.019x on the Moonlight step (three H100s, doc/benchmarks.md);
-    // MLA1_X_EARLY_TRIGGER builds the trigger at the start, as before (MLA1_X_TRIGGER_AT=1 / 3:
-    // after the query's staging / after the merge, for measuring; the merge 6% slower).
-    if constexpr (!LAYER) pdl_launch_dependents();
-#endif
+    mla1_trigger<LAYER>(2);
     cluster_sync();
     // The splits merged in rank order; every block gets the whole latent output. All the
     // cluster's values are asked for before any is used.
@@ -1727,9 +1729,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
     __syncthreads();
     di_trace_phase(3);
-#if !defined(MLA1_X_EARLY_TRIGGER) && MLA1_TRIGGER_AT == 3
-    if constexpr (!LAYER) pdl_launch_dependents();
-#endif
+    mla1_trigger<LAYER>(3);
     // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
 #pragma unroll
     for (int a = 0; a < MLA1_VR; a++) {
@@ -1769,20 +1769,13 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
 }
 
-#ifdef MLA1_X_EARLY_TRIGGER
-#define MLA1_EARLY_TRIGGER() pdl_launch_dependents()
-#else
-#define MLA1_EARLY_TRIGGER() \
-    do {                     \
-    } while (0)
-#endif
 #define MLA_DEC1_WRAPPER(T, S, WT, WS)                                                                               \
     extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1_##WS##_##S(                                 \
         T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain, const float* inv_freq,           \
         const long* slots, const int* positions, const int* tok_seq, const int* tables, int table_width,            \
         int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,            \
         float scale_log2) {                                                                                          \
-        MLA1_EARLY_TRIGGER();                                                                                        \
+        mla1_trigger<false>(0);                                                                                      \
         mla_dec1_impl<T, WT, false>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,        \
                                     table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved, scale_log2, \
                                     Mla1Layer<T>{});                                                                 \

@@ -141,8 +141,8 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // share touches in cnt[nph + CHAIN_MAXG p + g] as well as the phase in cnt[p], and a phase of
 // as many groups that depends on it waits only for the groups its own share touches; 0 for
 // none); after the phases, CHAIN_MAXG ints a phase: how many blocks' shares touch each group
-// (the counts those waits wait for). Warps 0..7 compute; warp 8's lane 0 fills the `pages`-page ring. A block's share of a
-// phase is a contiguous range of its pages; the ring is taken in the block's order of pages
+// (the counts those waits wait for). Warps 0..7 compute; warp 8's lane 0 fills the
+// `pages`-page ring. A block's share of a phase is a contiguous range of its pages; the ring is taken in the block's order of pages
 // across phases; a page's `full` barrier completes when its bytes land, its `empty` barrier
 // when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
 // finished phase p (zeroed before the launch, with the groups' counters after them), chase
@@ -329,11 +329,13 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         const int rows = q[0], dep = q[1], trips = q[3], y0 = q[4];
         const u64 t0 = gtime();
         const int ng = q[7];
+        // the groups this block's share of the phase touches (waited for in the dep, counted
+        // at the end), thread 0's
+        int g0 = 0, g1 = 0;
+        if (ng > 0 && threadIdx.x == 0) chain_groups(ph, p, b, G, ng, g0, g1);
         if (dep >= 0 && threadIdx.x == 0) {
             if (ng > 0 && ph[CHAIN_FIELDS * dep + 7] == ng) {
                 // only the groups of the dep that this block's share needs
-                int g0, g1;
-                chain_groups(ph, p, b, G, ng, g0, g1);
                 for (int g = g0; g < g1; g++) chain_wait_group(ph, nph, cnt, dep, g);
             } else {
                 wait_count(cnt + dep, (u32)G);
@@ -426,11 +428,7 @@ extern "C" __global__ void __launch_bounds__(CHAIN_THREADS, 1)
         chain_bar();
         if (threadIdx.x == 0) {
             __threadfence();
-            if (ng > 0) {
-                int g0, g1;
-                chain_groups(ph, p, b, G, ng, g0, g1);
-                for (int g = g0; g < g1; g++) atomicAdd(cnt + nph + CHAIN_MAXG * p + g, 1u);
-            }
+            for (int g = g0; g < g1; g++) atomicAdd(cnt + nph + CHAIN_MAXG * p + g, 1u);
             atomicAdd(cnt + p, 1u);
         }
     }
