@@ -359,10 +359,6 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 // while the kernel before it runs.
 #define GEMVP_WIDE_RPW 4
 
-#ifndef GEMVP_X_LATE_TRIGGER
-#define GEMVP_X_LATE_TRIGGER 0
-#endif
-
 template <int MODE, int RPW>
 __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
                                            bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
@@ -400,11 +396,9 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
             cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
     }
     cp_async_commit();
-    // (GEMVP_X_LATE_TRIGGER, a measuring draft: a mask of folds, bit 0 plain, 1 RMSNorm, 2
-    // residual add, whose launches let the next one in only once their rows have landed, so
-    // the next launch's copies before its wait do not share the memory with these rows)
-    constexpr bool LATE = ((GEMVP_X_LATE_TRIGGER) >> (NORM ? 1 : ACC ? 2 : 0) & 1) != 0;
-    if (!LATE) pdl_launch_dependents();
+    // The next launch comes in first thing: its copies before its wait pay even while these
+    // rows stream (holding the trigger until they have landed was 2-8% slower, session 38).
+    pdl_launch_dependents();
     pdl_wait();
     float resv[RPW];
 #pragma unroll
@@ -417,7 +411,6 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     }
     cp_async_wait_all();
     __syncthreads();
-    if (LATE) pdl_launch_dependents();
     di_trace_phase(0);
     float rstd = 1.0f;
     if (NORM) {
