@@ -142,9 +142,10 @@ extern "C" __global__ void __launch_bounds__(STREAM_THREADS, 1)
 // as many groups that depends on it waits only for the groups its own share touches; 0 for
 // none); after the phases, CHAIN_MAXG ints a phase: how many blocks' shares touch each group
 // (the counts those waits wait for). Warps 0..7 compute; warp 8's lane 0 fills the
-// `pages`-page ring. A block's share of a phase is a contiguous range of its pages; the ring is taken in the block's order of pages
-// across phases; a page's `full` barrier completes when its bytes land, its `empty` barrier
-// when the warp that read it is done (with `own`, see below). cnt[p] counts the blocks that
+// `pages`-page ring. A block's share of a phase is a contiguous range of its pages; the ring
+// is taken in the block's order of pages across phases; a page's `full` barrier completes
+// when its bytes land, its `empty` barrier when the warp that read it is done (with `own`,
+// see below). cnt[p] counts the blocks that
 // finished phase p (zeroed before the launch, with the groups' counters after them), chase
 // holds each block's 16 KB (zeroed).
 #define CHAIN_FIELDS 8
