@@ -459,6 +459,164 @@ GEMVP_WRAPPER(GEMVB_PLAIN, , GEMVP_WIDE_RPW, 32)
 GEMVP_WRAPPER(GEMVB_NORM, n, GEMVP_WIDE_RPW, 32)
 GEMVP_WRAPPER(GEMVB_ACC, a, GEMVP_WIDE_RPW, 32)
 
+// One token, RMSNorm folded in, rows of exactly 2048 bf16 held in registers
+// (`gemvrn_bf16w_n1_r<R>_bf16`, R = W warps times RPW rows): a block small enough (no shared
+// memory, few registers) to be resident beside a `moe_ffn1` block, so the blocks that the
+// layer before lets in early (its programmatic trigger) load their rows while its down
+// product still streams, where the staged kernels' 136 KB blocks wait for its blocks to
+// leave. An SM's registers are four quarters of 16,384, a warp's all in one: beside
+// `moe_ffn1`'s 8 warps of 160 (two a quarter) a quarter has 6,144 left, one warp of at most
+// 192 registers a thread (`r12`: 4 warps of 3 rows, capped at 192). `r15` (3 warps of 5 rows,
+// 255 registers) fits only once `moe_ffn1`'s blocks have left: the same kernel without the
+// overlap, for comparison. Each lane holds chunks lane + 32 c (c < 8) of each of its warp's RPW rows.
+// After the wait every warp reads the input's chunks of its lanes and computes the row's
+// sums itself: chunk lane + 32 c's squares as `stage_row`'s thread lane + 32 c adds them, the
+// 8 chunks' warp sums (lane 0's, as gemvp's `red` holds them) added in order, and the
+// products in `staged_dots`' order, so every output equals gemvp's NORM kernels' bit for bit.
+#define GEMVR_K 2048
+
+template <int GEMVR_WARPS, int RPW>
+__device__ __forceinline__ void gemvr_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
+                                           long row_bytes, const float* g, float eps, bf16_t* h) {
+    constexpr int NC = GEMVR_K / 8 / 32;  // chunks a lane of a row
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint4 wv[RPW][NC];
+    // (the rows' outputs are found again at the end: nothing but the weights held meanwhile)
+    const long row0 = (long)blockIdx.x * (GEMVR_WARPS * RPW) + warp * RPW;
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const u8* wr;
+        bf16_t* y;
+        long r, mj;
+        const bool ok = gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj);
+        wr += r * row_bytes;
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+            wv[j][c] = ok ? ld_stream16(wr + (long)(lane + 32 * c) * 16) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+    // the input times the gain, and the sum of its squares as gemvp sums them
+    float xg[NC][8];
+    float s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const int ch = lane + 32 * c;
+        act_load8(x + (long)ch * 8, xg[c]);
+        const float4 ga = *reinterpret_cast<const float4*>(g + (long)ch * 8);
+        const float4 gb = *reinterpret_cast<const float4*>(g + (long)ch * 8 + 4);
+        const float gf[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            ss = fmaf(xg[c][e], xg[c][e], ss);
+            xg[c][e] *= gf[e];
+        }
+        s += __shfl_sync(0xffffffffu, warp_sum(ss), 0);
+    }
+    const float rstd = 1.0f / sqrtf(s / (float)k + eps);
+    // this block's slice of the normalized row, as gemvp writes it
+    if (h != nullptr && warp == 0 && lane < 8)
+        for (long c = blockIdx.x; c < k / 8; c += gridDim.x) {
+            const long e = c * 8 + lane;
+            act_store(h, e, act_load(x, e) * rstd * g[e]);
+        }
+    float acc[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) acc[j] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        const float4 xa = make_float4(xg[c][0], xg[c][1], xg[c][2], xg[c][3]);
+        const float4 xb = make_float4(xg[c][4], xg[c][5], xg[c][6], xg[c][7]);
+#pragma unroll
+        for (int j = 0; j < RPW; j++) acc[j] = dot8_add(acc[j], wv[j][c], xa, xb);
+    }
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const float a = warp_sum(acc[j]);
+        const u8* wr;
+        bf16_t* y;
+        long r, mj;
+        if (gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj) && lane == 0)
+            act_store(y, r, a * rstd);
+    }
+}
+
+#define GEMVR_WRAPPER(W, RPW, RS, REGS)                                                                            \
+    extern "C" __global__ void __maxnreg__(REGS) gemvrn_bf16w_n1_r##RS##_bf16(                                 \
+        const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1, bf16_t* y2, int m0, int m1, int m2,     \
+        const bf16_t* x, int n, int k, long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {       \
+        gemvr_impl<W, RPW>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, k, row_bytes, g, eps, h);                      \
+    }
+GEMVR_WRAPPER(4, 3, 12, 192)
+GEMVR_WRAPPER(3, 5, 15, 255)
+
+// The o product with its residual add, rows of exactly 2048 bf16 held in registers
+// (`gemvra_bf16w_n1_r16_bf16`, an experiment: `DEEPINFER_CUDA_GEMVR=16`): 4 warps of 4 rows,
+// 128 blocks for a 2048-row matrix, one an SM, within 192 registers a thread, so that a block
+// uses no shared memory and leaves a `moe_ffn1` block room beside it: the next launch's
+// blocks (let in first thing) then fill their rings on every SM while these rows stream,
+// where the staged kernel's 136 KB blocks keep them off 64 SMs until they leave. The input is
+// read a chunk at a time (its 8 chunks' raw loads first), so only the rows and 32 registers
+// of input are live at once. Sums in `staged_dots`' order and the epilogue of gemvp's ACC
+// kernels: every output (y and the residual stream) equals theirs bit for bit.
+template <int GEMVR_WARPS, int RPW>
+__device__ __forceinline__ void gemvra_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                            bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, long row_bytes,
+                                            bf16_t* res) {
+    constexpr int NC = GEMVR_K / 8 / 32;  // chunks a lane of a row
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint4 wv[RPW][NC];
+    const long row0 = (long)blockIdx.x * (GEMVR_WARPS * RPW) + warp * RPW;
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const u8* wr;
+        bf16_t* y;
+        long r, mj;
+        const bool ok = gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj);
+        wr += r * row_bytes;
+#pragma unroll
+        for (int c = 0; c < NC; c++)
+            wv[j][c] = ok ? ld_stream16(wr + (long)(lane + 32 * c) * 16) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    pdl_launch_dependents();
+    pdl_wait();
+    uint4 xr[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) xr[c] = *reinterpret_cast<const uint4*>(x + (long)(lane + 32 * c) * 8);
+    float acc[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) acc[j] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+        float xv[8];
+        bf16x8_to_f32(xr[c], xv);
+        const float4 xa = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        const float4 xb = make_float4(xv[4], xv[5], xv[6], xv[7]);
+#pragma unroll
+        for (int j = 0; j < RPW; j++) acc[j] = dot8_add(acc[j], wv[j][c], xa, xb);
+    }
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        const float a = warp_sum(acc[j]);
+        const u8* wr;
+        bf16_t* y;
+        long r, mj;
+        if (gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj) && lane == 0) {
+            const float rv = act_load(res, r);
+            act_store(y, r, a);
+            act_store(res, r, rv + act_round(y, a));
+        }
+    }
+}
+
+extern "C" __global__ void __maxnreg__(192) gemvra_bf16w_n1_r16_bf16(
+    const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1, bf16_t* y2, int m0, int m1, int m2,
+    const bf16_t* x, int n, int k, long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
+    gemvra_impl<4, 4>(w0, w1, w2, y0, y1, y2, m0, m1, m2, x, row_bytes, res);
+}
+
 // gemvb<mode>_<weight>_n<N>_r<R>u<U>_<act>, mode "" (plain), "n" (norm folded in), "a" (add),
 // "s" (SwiGLU), "ns" (norm and SwiGLU)
 #define GEMVB_WRAPPER(T, S, WT, WS, N, R, U, MODE, MS)                                                            \

@@ -255,6 +255,124 @@ fn rms_norm_and_residual_add_fold_into_block_gemvs() {
     }
 }
 
+/// The register-held one-token GEMVs with the RMSNorm folded in (`gemvrn*`, 12 and 15 rows a
+/// block, `CudaOptions::gemvr`) against the staged ones (the default): a Moonlight-shaped
+/// q / kv_a pair (3,072 + 576 rows, some blocks with rows past the end) and odd segments, one
+/// token over rows of 2048, every output and the norm's output bit for bit.
+#[test]
+fn register_held_norm_gemvs_equal_the_staged_ones() {
+    let Some(be) = backend(Act::Bf16) else {
+        return;
+    };
+    let held = |rows| {
+        deepinfer::backend::cuda::CudaBackend::new(
+            0,
+            deepinfer::backend::cuda::CudaOptions {
+                act: Some(Act::Bf16),
+                gemvr: rows,
+                ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
+            },
+        )
+        .unwrap()
+    };
+    let (h12, h15) = (held(12), held(15));
+    let k = 2048;
+    let mut rng = Rng::fresh("gemvr");
+    for rows in [vec![3072usize, 576], vec![37, 11, 13], vec![5]] {
+        let ws: Vec<Weight> = rows
+            .iter()
+            .map(|&r| random_weight(&mut rng, DType::BF16, r, k))
+            .collect();
+        let gain = Weight::from_f32(1, k, &rng.vec(k, 1.0));
+        let x = rng.vec(k, 2.0);
+        macro_rules! run {
+            ($b:expr) => {{
+                let b = $b;
+                let gw: Vec<_> = ws.iter().map(|w| b.prepare_weight(w).unwrap()).collect();
+                let g = b.prepare_weight(&gain).unwrap();
+                let xb = upload(b, 1, k, &x);
+                let mut h = b.zeros(k).unwrap();
+                let mut ys: Vec<_> = rows.iter().map(|&r| b.zeros(r).unwrap()).collect();
+                b.rms_norm(&xb, &g, 1e-5, &mut h).unwrap();
+                for (w, y) in gw.iter().zip(ys.iter_mut()) {
+                    b.matmul(w, &h, 1, y).unwrap();
+                }
+                let mut out = vec![b.to_host(&h).unwrap()];
+                out.extend(ys.iter().map(|y| b.to_host(y).unwrap()));
+                out
+            }};
+        }
+        let ops0 = be.stats().ops;
+        let want = run!(&be);
+        let ops = be.stats().ops - ops0;
+        for (name, b) in [("12 rows a block", &h12), ("15 rows a block", &h15)] {
+            let ops0 = b.stats().ops;
+            let got = run!(b);
+            // the norm folded in as the staged kernel folds it (as many launches)
+            assert_eq!(b.stats().ops - ops0, ops, "{name} {rows:?}: launches");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name} {rows:?}: output {i} differs from the staged kernel's"
+                );
+            }
+        }
+    }
+}
+
+/// The register-held o product with its residual add (`gemvra_bf16w_n1_r16`,
+/// `CudaOptions::gemvr` 16) against the staged one (the default): a Moonlight-shaped o
+/// product (2,048 rows) and odd row counts (blocks with rows past the end), one token over
+/// rows of 2048, the product's output and the residual stream bit for bit, in as many launches.
+#[test]
+fn register_held_add_gemv_equals_the_staged_one() {
+    let Some(be) = backend(Act::Bf16) else {
+        return;
+    };
+    let held = deepinfer::backend::cuda::CudaBackend::new(
+        0,
+        deepinfer::backend::cuda::CudaOptions {
+            act: Some(Act::Bf16),
+            gemvr: 16,
+            ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
+        },
+    )
+    .unwrap();
+    let k = 2048;
+    let mut rng = Rng::fresh("gemvra");
+    for rows in [2048usize, 37, 5] {
+        let w = random_weight(&mut rng, DType::BF16, rows, k);
+        let x = rng.vec(k, 2.0);
+        let res0 = rng.vec(rows, 1.0);
+        macro_rules! run {
+            ($b:expr) => {{
+                let b = $b;
+                let gw = b.prepare_weight(&w).unwrap();
+                let xb = upload(b, 1, k, &x);
+                let mut res = upload(b, 1, rows, &res0);
+                let mut o = b.zeros(rows).unwrap();
+                b.matmul(&gw, &xb, 1, &mut o).unwrap();
+                b.add_assign(&mut res, &o).unwrap();
+                vec![b.to_host(&o).unwrap(), b.to_host(&res).unwrap()]
+            }};
+        }
+        let ops0 = be.stats().ops;
+        let want = run!(&be);
+        let ops = be.stats().ops - ops0;
+        let ops0 = held.stats().ops;
+        let got = run!(&held);
+        assert_eq!(held.stats().ops - ops0, ops, "{rows} rows: launches");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{rows} rows: output {i} differs from the staged kernel's"
+            );
+        }
+    }
+}
+
 /// The skinny tensor-core GEMMs (`gemt_*`: 9..=64 tokens, bf16 weights and activations) as a
 /// model calls them — Q/K/V-like products of odd row counts sharing an input (one launch),
 /// gate/up followed by `silu_mul` (folded into that launch) and a lone product whose k is not

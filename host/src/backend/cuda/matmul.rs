@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::blas::{Gemm, GemmType};
 use super::module::{
     gemt_smem, KernelId, GEMT_TOKENS, GEMVB_SHAPES, GEMVB_TOKENS, GEMVP_MAXK, GEMVP_ROWS,
-    GEMVP_WIDE_ROWS,
+    GEMVP_WIDE_ROWS, GEMVR_K, GEMVR_ROWS,
 };
 use super::ops::check;
 use super::queue::{elementwise_grid, Gemt, Gemv, Op, Product, GEMV_THREADS};
@@ -210,12 +210,32 @@ fn pick(
     fold: Fold,
 ) -> (KernelId, usize) {
     match block_kernel(inner, act, wt, n, k, fold) {
-        Some(kr) => widen(inner, act, kr, rows),
+        Some(kr) => held(inner, act, kr, k, rows).unwrap_or_else(|| widen(inner, act, kr, rows)),
         None => (
             inner.module.act(act).gemv[wt as usize],
             (GEMV_THREADS / 32) as usize,
         ),
     }
+}
+
+/// The register-held one-token GEMV (`gemvr*`, `CudaOptions::gemvr`) for a staged one (`kr`)
+/// over rows of exactly [`GEMVR_K`], at most [`GEMVP_WIDE_ROWS`] rows an SM (the projections
+/// of a layer, not the output head): with an RMSNorm folded in for `12` / `15`, with a
+/// residual add (the o product) for `16`.
+fn held(
+    inner: &Inner,
+    act: Act,
+    kr: (KernelId, usize),
+    k: usize,
+    rows: usize,
+) -> Option<(KernelId, usize)> {
+    let kernels = inner.module.act(act);
+    let (p, r) = (kernels.gemvp.as_ref()?, kernels.gemvr.as_ref()?);
+    let i = GEMVR_ROWS.iter().position(|&n| n == inner.opts.gemvr)?;
+    // the staged kernel this one stands in for: gemvp's RMSNorm one, or its residual add one
+    let fold = if i == 2 { 2 } else { 1 };
+    (p[fold] == kr.0 && k == GEMVR_K && rows <= GEMVP_WIDE_ROWS * inner.module.sms)
+        .then_some((r[i], GEMVR_ROWS[i]))
 }
 
 /// A staged one-token GEMV (`gemvp*`) of at most [`GEMVP_WIDE_ROWS`] rows an SM in its wide

@@ -102,6 +102,15 @@ pub struct CudaOptions {
     /// Which of those take the wide blocks, by fold (bit 0 plain, 1 RMSNorm, 2 residual add):
     /// `DEEPINFER_CUDA_GEMVPW=norm` / `add` for one kind only, all by default.
     pub gemvp_wide_folds: u8,
+    /// One-token GEMVs with an RMSNorm folded in over rows of 2048 (the q / kv_a projections
+    /// after a MoE layer) in blocks holding their rows in registers (`gemvrn*`): 12 rows in
+    /// 4 warps of at most 192 registers, resident beside `moe_ffn1`'s blocks while its down
+    /// product streams, or 15 in 3 warps of 255, which are not; 0: the staged kernels. 16: the
+    /// o product with its residual add instead, 16 rows in 4 warps of at most 192 registers and
+    /// no shared memory, so `moe_ffn1`'s blocks, let in first thing, fill their rings beside
+    /// them on every SM. `DEEPINFER_CUDA_GEMVR=12` / `15` / `16` (experiments, off by default:
+    /// doc/benchmarks.md).
+    pub gemvr: usize,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -374,6 +383,7 @@ impl Default for CudaOptions {
             gemvp: true,
             gemvp_wide: true,
             gemvp_wide_folds: 0b111,
+            gemvr: 0,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -416,6 +426,7 @@ impl CudaOptions {
     /// `DEEPINFER_CUDA_FUSE_ROPE_KV`, `DEEPINFER_CUDA_FUSE_SILU`, `DEEPINFER_CUDA_FUSE_ATTN`,
     /// `DEEPINFER_CUDA_FUSE_MOE`, `DEEPINFER_CUDA_FUSE_MLA`, `DEEPINFER_CUDA_MOE_MMA`, `DEEPINFER_CUDA_MLA_MMA` (`0` turns them off), `DEEPINFER_CUDA_FUSE_LAYER` (`1` turns it on), `DEEPINFER_CUDA_DS2` (see [`Ds2::parse`]),
     /// `DEEPINFER_CUDA_GEMVPW` (`0`, or `norm` / `add`: see [`CudaOptions::gemvp_wide_folds`]),
+    /// `DEEPINFER_CUDA_GEMVR` (`12` / `15` / `16`: see [`CudaOptions::gemvr`]),
     /// `DEEPINFER_CUDA_GEMT` (`1` turns it on), `DEEPINFER_CUDA_GEMT_SPLITS` (`1`, `2`, `4`,
     /// `8`), `DEEPINFER_CUDA_FUSE2` (`1` turns it on), `DEEPINFER_CUDA_PREFILL` (`1`: plain,
     /// `2`: double-buffered, `3`: wide, the default; see [`PrefillKernel`]),
@@ -459,6 +470,17 @@ impl CudaOptions {
             Some(other) => {
                 return Err(Error::BadConfig(format!(
                     "DEEPINFER_CUDA_GEMVPW={other}: expected 1, 0, norm or add"
+                )))
+            }
+        }
+        match std::env::var("DEEPINFER_CUDA_GEMVR").ok().as_deref() {
+            None | Some("") | Some("0") => {}
+            Some("12") => o.gemvr = 12,
+            Some("15") => o.gemvr = 15,
+            Some("16") => o.gemvr = 16,
+            Some(other) => {
+                return Err(Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_GEMVR={other}: expected 0, 12, 15 or 16"
                 )))
             }
         }

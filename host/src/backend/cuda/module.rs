@@ -354,6 +354,12 @@ pub struct ActKernels {
     /// The same with [`GEMVP_WIDE_ROWS`] rows a block in [`GEMVP_WIDE_SMEM`] bytes of dynamic
     /// shared memory (`gemvp*_bf16w_n1_r32`); None where the device has less.
     pub gemvp_wide: Option<[KernelId; 3]>,
+    /// One-token GEMVs with an RMSNorm folded in over rows of exactly [`GEMVR_K`] bf16 held in
+    /// registers, no shared memory (`gemvrn_bf16w_n1_r12` / `_r15`, by [`GEMVR_ROWS`]; threads
+    /// [`GEMVR_THREADS`]): the first small enough to be resident beside a `moe_ffn1` block;
+    /// third, the o product with its residual add in 16-row blocks (`gemvra_bf16w_n1_r16`);
+    /// bf16 activations only.
+    pub gemvr: Option<[KernelId; 3]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -431,6 +437,11 @@ pub const GEMVP_ROWS: usize = 8;
 /// Rows per block of the wide one-token staged GEMVs and their dynamic shared memory: the
 /// rows (at most [`GEMVP_MAXK`] bf16 weights each) and the input in f32.
 pub const GEMVP_WIDE_ROWS: usize = 32;
+/// The width of a `gemvrn` kernel's rows (`GEMVR_K`), and by kernel ([`Kernels::gemvr`]) its
+/// rows and threads a block (4 warps of 3 rows, 3 of 5; the o product's 4 of 4).
+pub const GEMVR_K: usize = 2048;
+pub const GEMVR_ROWS: [usize; 3] = [12, 15, 16];
+pub const GEMVR_THREADS: [u32; 3] = [128, 96, 128];
 pub const GEMVP_WIDE_SMEM: usize = GEMVP_WIDE_ROWS * GEMVP_MAXK * 2 + GEMVP_MAXK * 4;
 pub const GEMVP_MAXK: usize = 2048;
 /// Rows a block and threads of the row-streaming tensor-core products (`ROWMMA_ROWS`,
@@ -526,6 +537,14 @@ pub struct Module {
 }
 
 impl Module {
+    /// The threads a GEMV launch of `kernel` runs in a block (the register-held ones' fewer).
+    pub fn gemv_threads(&self, kernel: KernelId) -> u32 {
+        [&self.f32, &self.bf16]
+            .iter()
+            .find_map(|a| a.gemvr?.iter().position(|&k| k == kernel))
+            .map_or(super::queue::GEMV_THREADS, |i| GEMVR_THREADS[i])
+    }
+
     /// The dynamic shared memory a GEMV launch of `kernel` asks for (the wide staged ones').
     pub fn gemv_smem(&self, kernel: KernelId) -> u32 {
         let wide = [&self.f32, &self.bf16]
@@ -683,6 +702,15 @@ impl Module {
                         n("gemvp_bf16w_n1_r32")?,
                         n("gemvpn_bf16w_n1_r32")?,
                         n("gemvpa_bf16w_n1_r32")?,
+                    ])
+                } else {
+                    None
+                },
+                gemvr: if s == "bf16" {
+                    Some([
+                        n("gemvrn_bf16w_n1_r12")?,
+                        n("gemvrn_bf16w_n1_r15")?,
+                        n("gemvra_bf16w_n1_r16")?,
                     ])
                 } else {
                     None

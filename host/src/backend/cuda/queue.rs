@@ -97,7 +97,8 @@ pub struct Gemv {
     pub p: Product,
     /// Weight type (segments of one launch share it).
     pub wtype: WType,
-    /// Output rows per block of [`GEMV_THREADS`] threads (8 for the warp-per-row kernels).
+    /// Output rows per block (of [`GEMV_THREADS`] threads but for the register-held
+    /// `gemvrn` kernels'; 8 for the warp-per-row kernels).
     pub rows_per_block: usize,
     /// An RMSNorm folded in (block-cooperative kernels only): (raw input, f32 gain, eps bits);
     /// `x` is then the norm's output, written by the kernel too.
@@ -556,7 +557,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
                 1,
                 g.kernel,
                 [g.blocks() as u32, 1, 1],
-                GEMV_THREADS,
+                m.gemv_threads(g.kernel),
                 m.gemv_smem(g.kernel),
                 &a,
             )
