@@ -474,16 +474,14 @@ GEMVP_WRAPPER(GEMVB_ACC, a, GEMVP_WIDE_RPW, 32)
 // 8 chunks' warp sums (lane 0's, as gemvp's `red` holds them) added in order, and the
 // products in `staged_dots`' order, so every output equals gemvp's NORM kernels' bit for bit.
 #define GEMVR_K 2048
+#define GEMVR_NC (GEMVR_K / 8 / 32)  // 16-byte chunks a lane holds of a row
 
-template <int GEMVR_WARPS, int RPW>
-__device__ __forceinline__ void gemvr_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
-                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
-                                           long row_bytes, const float* g, float eps, bf16_t* h) {
-    constexpr int NC = GEMVR_K / 8 / 32;  // chunks a lane of a row
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    uint4 wv[RPW][NC];
-    // (the rows' outputs are found again at the end: nothing but the weights held meanwhile)
-    const long row0 = (long)blockIdx.x * (GEMVR_WARPS * RPW) + warp * RPW;
+// A warp's RPW rows from `row0` into its lanes' registers: lane l holds chunks l + 32 c (zeros
+// for rows past the end).
+template <int RPW>
+__device__ __forceinline__ void gemvr_load(uint4 (&wv)[RPW][GEMVR_NC], long row0, const u8* w0, const u8* w1,
+                                           const u8* w2, bf16_t* y0, bf16_t* y1, bf16_t* y2, int m0, int m1,
+                                           int m2, long row_bytes, int lane) {
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
         const u8* wr;
@@ -492,9 +490,21 @@ __device__ __forceinline__ void gemvr_impl(const u8* w0, const u8* w1, const u8*
         const bool ok = gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj);
         wr += r * row_bytes;
 #pragma unroll
-        for (int c = 0; c < NC; c++)
+        for (int c = 0; c < GEMVR_NC; c++)
             wv[j][c] = ok ? ld_stream16(wr + (long)(lane + 32 * c) * 16) : make_uint4(0u, 0u, 0u, 0u);
     }
+}
+
+template <int GEMVR_WARPS, int RPW>
+__device__ __forceinline__ void gemvr_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
+                                           bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
+                                           long row_bytes, const float* g, float eps, bf16_t* h) {
+    constexpr int NC = GEMVR_NC;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint4 wv[RPW][NC];
+    // (the rows' outputs are found again at the end: nothing but the weights held meanwhile)
+    const long row0 = (long)blockIdx.x * (GEMVR_WARPS * RPW) + warp * RPW;
+    gemvr_load<RPW>(wv, row0, w0, w1, w2, y0, y1, y2, m0, m1, m2, row_bytes, lane);
     pdl_launch_dependents();
     pdl_wait();
     // the input times the gain, and the sum of its squares as gemvp sums them
@@ -565,21 +575,11 @@ template <int GEMVR_WARPS, int RPW>
 __device__ __forceinline__ void gemvra_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
                                             bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, long row_bytes,
                                             bf16_t* res) {
-    constexpr int NC = GEMVR_K / 8 / 32;  // chunks a lane of a row
+    constexpr int NC = GEMVR_NC;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint4 wv[RPW][NC];
     const long row0 = (long)blockIdx.x * (GEMVR_WARPS * RPW) + warp * RPW;
-#pragma unroll
-    for (int j = 0; j < RPW; j++) {
-        const u8* wr;
-        bf16_t* y;
-        long r, mj;
-        const bool ok = gemv_seg(row0 + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr, y, r, mj);
-        wr += r * row_bytes;
-#pragma unroll
-        for (int c = 0; c < NC; c++)
-            wv[j][c] = ok ? ld_stream16(wr + (long)(lane + 32 * c) * 16) : make_uint4(0u, 0u, 0u, 0u);
-    }
+    gemvr_load<RPW>(wv, row0, w0, w1, w2, y0, y1, y2, m0, m1, m2, row_bytes, lane);
     pdl_launch_dependents();
     pdl_wait();
     uint4 xr[NC];
