@@ -1655,6 +1655,17 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_EARLY_END true
 #endif
 
+// Where a warp of moe_ffn1 asks the next launch's weights into L2 (`nl2_*`, given only with
+// `DEEPINFER_CUDA_FFN1_NEXT_L2=1`): 1 once it has asked for its last unit, 2 once its down rows
+// are done (an experiment, session 39).
+#ifndef MOEF_NEXT_L2_AT
+#define MOEF_NEXT_L2_AT 1
+#endif
+struct nl2_t {
+    const u8* p[2];
+    long bytes[2];
+};
+
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
     float* logits, u32* cnt, unsigned long long* totals, unsigned* last, const u8* gate, int gate_wt,
@@ -1662,7 +1673,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     const bf16_t* sh_down, int d, int E, int K, int n_shared, int inter, int score, int norm, float scaling, int np,
     int page, const u8* qw0, const u8* qw1, const u8* qw2, bf16_t* qy0, bf16_t* qy1, bf16_t* qy2, int qm0, int qm1,
     int qm2, const float* qg, float qeps, bf16_t* qh, const u8* ow, const bf16_t* oa, bf16_t* oy, bf16_t* ores,
-    int om, int ok, int l2f) {
+    int om, int ok, int l2f, const u8* nl2_0, long nl2_bytes0, const u8* nl2_1, long nl2_bytes1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) u8 moef_smem[];
     __shared__ __align__(8) u64 bars[MOEF_MAXP];
@@ -1785,6 +1796,23 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             bytes = (u32)inter * 2;
         }
         fill(pg, p0, p1, true, bytes, true);
+    };
+    // The next launch's weights (a staged GEMV's first two segments, `nl2_*`; 0 bytes: none,
+    // the default), asked into L2 by this warp's lane 0 in 4 KB pieces: grid warp
+    // g = 8 b + warp takes pages [n g / W, n (g + 1) / W) of each range. The next launch's
+    // blocks can only start their copies once this launch's leave their SMs, so these keep
+    // the memory busy through the layer's tail (experiment: `DEEPINFER_CUDA_FFN1_NEXT_L2=1`;
+    // MOEF_NEXT_L2_AT=1, the default: once the warp has asked for its last unit; =2: once its
+    // down rows are done).
+    const nl2_t nl2 = {nl2_0, nl2_1, nl2_bytes0, nl2_bytes1};
+    auto ask_next_l2 = [&] {
+        if (lane != 0) return;
+        const long W = (long)G * MOEF_WARPS, g = (long)b * MOEF_WARPS + warp;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const long n = nl2.bytes[k] >> 12;
+            for (long p = n * g / W; p < n * (g + 1) / W; p++) prefetch_l2_bulk(nl2.p[k] + (p << 12), 4096);
+        }
     };
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
@@ -1932,6 +1960,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     __syncthreads();
+    // (MOEF_NEXT_L2_AT == 1: a warp whose last unit is already asked for asks after its rows)
+    const bool issued_before_down = MOEF_NEXT_L2_AT == 1 && issued == my_units;
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
         // the pair's residual values, asked for now so the pair's end waits for no load
@@ -1973,7 +2003,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 }
             }
             __syncwarp();
-            if (MOEF_ISSUER && issued < my_units) issue(issued++);
+            if (MOEF_ISSUER && issued < my_units) {
+                issue(issued++);
+                if (MOEF_NEXT_L2_AT == 1 && issued == my_units) ask_next_l2();
+            }
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1990,6 +2023,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             }
         }
     }
+    // (at 2 every warp asks here; at 1 a warp that had asked for its last unit before its rows)
+    if (MOEF_NEXT_L2_AT == 2 || issued_before_down) ask_next_l2();
     di_trace_phase(4);
 #ifdef DEEPINFER_TRACE
     if (qrows == 0) {

@@ -1193,6 +1193,62 @@ mod gpu {
         }
     }
 
+    /// `CudaOptions::ffn1_next_l2`: a `moe_ffn1` launch followed by the next layer's staged
+    /// q/kv_a product is given that product's weights to ask into L2, and every output stays
+    /// the separate launches' to the bit.
+    #[test]
+    fn one_launch_moe_layer_asking_the_next_rows_into_l2_keeps_its_outputs() {
+        if cuda(Some(Act::Bf16)).is_none() {
+            return;
+        }
+        let one = cuda_set(Act::Bf16, |o| {
+            o.moe_ffn1 = true;
+            o.ffn1_prev = false;
+            o.ffn1_next = false;
+            o.ffn1_next_l2 = true;
+        });
+        if !one.runs_moe_ffn1() {
+            eprintln!(
+                "skipped: this backend does not run moe_ffn1 (a device below sm_90, no block an \
+                 SM fits, or another backend of this process runs it)"
+            );
+            return;
+        }
+        let bf = cuda_set(Act::Bf16, |o| o.moe_ffn1 = false);
+        let mut rng = Rng::fresh("moe_ffn1_l2");
+        let (d, inter, e, k, sh) = (2048, 64, 64, 6, 2);
+        let cfg = sigmoid_router(e, k, 2.4);
+        let host = random_moe(&mut rng, e, d, inter, sh);
+        let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+        let (l3, g3) = (
+            host.bf16_layer(&bf, &cfg, d, inter, sh),
+            bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+        );
+        let (l1, g1) = (
+            host.bf16_layer(&one, &cfg, d, inter, sh),
+            one.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
+        );
+        let case = NextCase::random(&mut rng, d, (3072, 576, 2048));
+        let (n3, n1) = (case.weights(&bf), case.weights(&one));
+        for step in 0..3 {
+            let att = rng.vec(d, 1.0);
+            let res = rng.vec(d, 1.0);
+            let before = one.stats().l2_links;
+            let three = case.run(&bf, &l3, &g3, &n3, &att, &res);
+            let got = case.run(&one, &l1, &g1, &n1, &att, &res);
+            let links = one.stats().l2_links - before;
+            eprintln!("step {step}: {links} launch(es) given the next rows to ask into L2");
+            assert_eq!(links, 1, "the moe_ffn1 launch was not given the next rows");
+            for (i, what) in NEXT_OUTPUTS.iter().enumerate() {
+                assert!(
+                    got[i] == three[i],
+                    "step {step}: the {what} differs ({:e})",
+                    max_err(&got[i], &three[i], d)
+                );
+            }
+        }
+    }
+
     #[test]
     fn split_k_moe_layer_matches_the_three_decode_launches() {
         if cuda(Some(Act::Bf16)).is_none() {

@@ -201,6 +201,12 @@ pub struct CudaOptions {
     /// memory would idle (`moe::link_next_weights`); off by default (measured 0.5% slower on an
     /// H100, doc/benchmarks.md); `DEEPINFER_CUDA_FK1_L2=1` turns it on.
     pub fk1_l2: bool,
+    /// A `moe_ffn1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
+    /// product) asks that GEMV's weights into L2 as its warps ask for their last units, so the
+    /// memory streams through the layer's tail, where the GEMV's blocks cannot yet start their
+    /// copies (`moe::link_next_weights`); off by default (an experiment, doc/benchmarks.md);
+    /// `DEEPINFER_CUDA_FFN1_NEXT_L2=1` turns it on.
+    pub ffn1_next_l2: bool,
     /// How a `moe_ffn1` block asks L2 for its down rows of the shared experts while the grid
     /// waits for the router's logits (the memory idles then: the rings are full): 0, not at
     /// all; 1, as any line; 2 (the default), marked evict-last, kept before the evict-first
@@ -396,6 +402,7 @@ impl Default for CudaOptions {
             moe_ffn1: true,
             moe_splitk: false,
             fk1_l2: false,
+            ffn1_next_l2: false,
             ffn1_l2: 2,
             ffn1_next: false,
             ffn1_prev: false,
@@ -498,6 +505,7 @@ impl CudaOptions {
         switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
         switch("DEEPINFER_CUDA_MOE_SPLITK", &mut o.moe_splitk)?;
         switch("DEEPINFER_CUDA_FK1_L2", &mut o.fk1_l2)?;
+        switch("DEEPINFER_CUDA_FFN1_NEXT_L2", &mut o.ffn1_next_l2)?;
         count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
         if o.ffn1_pages % 8 != 0 {
             return Err(Error::BadConfig(format!(
@@ -826,6 +834,7 @@ impl CudaBackend {
         queue.ffn1_next = opts.moe_ffn1 && opts.ffn1_next;
         queue.ffn1_prev = opts.moe_ffn1 && opts.ffn1_prev;
         queue.fk1_l2 = opts.moe_ffn1 && opts.moe_splitk && opts.fk1_l2;
+        queue.ffn1_next_l2 = opts.moe_ffn1 && opts.ffn1_next_l2;
         if let (Some(path), Some(table)) = (trace::requested(), module.trace_table) {
             queue.tracer = Some(trace::Tracer::new(path, table)?);
         }

@@ -950,8 +950,11 @@ pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, len: usize) -> bool
 }
 
 /// Parameters of `moe_ffn1`: out, res, ..., page (28), then the folded products' from
-/// [`FFN1_NEXT`] and [`FFN1_PREV`], then [`FFN1_L2`].
-const FFN1_ARGS: usize = 48;
+/// [`FFN1_NEXT`] and [`FFN1_PREV`], then [`FFN1_L2`], then [`FFN1_NEXT_L2`]'s.
+const FFN1_ARGS: usize = 52;
+/// Where `moe_ffn1`'s two (address, bytes) ranges of the next launch's weights start, which
+/// its warps ask into L2 (`link_next_weights`; zero: none).
+const FFN1_NEXT_L2: usize = 48;
 /// Where `moe_ffn1`'s last parameter is: how it asks L2 for its shared down rows
 /// (`CudaOptions::ffn1_l2`).
 const FFN1_L2: usize = 47;
@@ -1116,9 +1119,18 @@ fn is_down_dec(m: &Module, kernel: KernelId, args: &[u64]) -> bool {
 /// end, since the GEMV's blocks cannot be resident (and start their copies) until the launch's
 /// leave: with `down_dec` (`Ds2::next_l2`) a decode down projection followed by an 8-row staged
 /// GEMV, as its blocks finish; with `fk1` (`CudaOptions::fk1_l2`) a `moe_fk1` launch followed by
-/// any staged GEMV, once its blocks' units are done. Run on a pass before it executes; the same
-/// pass gives the same arguments, so captured graphs still match.
-pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module, down_dec: bool, fk1: bool) {
+/// any staged GEMV, once its blocks' units are done; with `ffn1` (`CudaOptions::ffn1_next_l2`) a
+/// `moe_ffn1` launch with no product folded in after it, followed by any staged GEMV, as its
+/// warps ask for their last units. Run on a pass before it executes; the same pass gives the
+/// same arguments, so captured graphs still match. Returns how many launches it linked.
+pub(crate) fn link_next_weights(
+    ops: &mut [Op],
+    m: &Module,
+    down_dec: bool,
+    fk1: bool,
+    ffn1: bool,
+) -> u64 {
+    let mut linked = 0;
     let among = |set: Option<[KernelId; 3]>, k: KernelId| set.is_some_and(|s| s.contains(&k));
     for i in 1..ops.len() {
         let (a, b) = ops.split_at_mut(i);
@@ -1135,6 +1147,13 @@ pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module, down_dec: bool, fk1:
             && (among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel))
         {
             FK1_L2
+        } else if ffn1
+            && m.deepseek[1].moe_ffn1 == Some(*kernel)
+            && args.len() == FFN1_ARGS
+            && args[FFN1_NEXT..FFN1_PREV].iter().all(|&v| v == 0)
+            && (among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel))
+        {
+            FFN1_NEXT_L2
         } else {
             continue;
         };
@@ -1142,7 +1161,9 @@ pub(crate) fn link_next_weights(ops: &mut [Op], m: &Module, down_dec: bool, fk1:
             args[at + 2 * j] = seg.0;
             args[at + 1 + 2 * j] = (seg.2 * g.p.row_bytes) as u64;
         }
+        linked += 1;
     }
+    linked
 }
 
 /// The layer's load counters: the device's when it ran there, else the host's.

@@ -209,6 +209,8 @@ pub struct QueueStats {
     pub ffn1_prev_folds: u64,
     /// One-token MoE layers queued as `moe_fk1` (`CudaOptions::moe_splitk`).
     pub fk1_launches: u64,
+    /// Launches given the next launch's weights to ask into L2 (`moe::link_next_weights`).
+    pub l2_links: u64,
 }
 
 /// Most graphs kept (least recently used dropped first).
@@ -233,6 +235,8 @@ pub struct Queue {
     pub ffn1_prev: bool,
     /// `CudaOptions::fk1_l2`: passes go through `moe::link_next_weights` before they run.
     pub fk1_l2: bool,
+    /// `CudaOptions::ffn1_next_l2`: the same for `moe_ffn1` launches.
+    pub ffn1_next_l2: bool,
 }
 
 impl Queue {
@@ -248,6 +252,7 @@ impl Queue {
             ffn1_next: false,
             ffn1_prev: false,
             fk1_l2: false,
+            ffn1_next_l2: false,
             stats: QueueStats::default(),
         }
     }
@@ -330,8 +335,14 @@ impl Queue {
         if self.ffn1_next {
             self.stats.ffn1_next_folds += super::moe::fold_next_norm_gemv(&mut ops, m);
         }
-        if self.next_l2 || self.fk1_l2 {
-            super::moe::link_next_weights(&mut ops, m, self.next_l2, self.fk1_l2);
+        if self.next_l2 || self.fk1_l2 || self.ffn1_next_l2 {
+            self.stats.l2_links += super::moe::link_next_weights(
+                &mut ops,
+                m,
+                self.next_l2,
+                self.fk1_l2,
+                self.ffn1_next_l2,
+            );
         }
         self.stats.flushes += 1;
         self.stats.ops += ops.len() as u64;
