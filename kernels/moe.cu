@@ -1655,12 +1655,7 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_EARLY_END true
 #endif
 
-// Where a warp of moe_ffn1 asks the next launch's weights into L2 (`nl2_*`, given only with
-// `DEEPINFER_CUDA_FFN1_NEXT_L2=1`): 1 once it has asked for its last unit, 2 once its down rows
-// are done (an experiment, session 39).
-#ifndef MOEF_NEXT_L2_AT
-#define MOEF_NEXT_L2_AT 1
-#endif
+// The next launch's weights a block of moe_ffn1 asks into L2 (two address, bytes ranges).
 struct nl2_t {
     const u8* p[2];
     long bytes[2];
@@ -1797,13 +1792,13 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
         fill(pg, p0, p1, true, bytes, true);
     };
-    // The next launch's weights (a staged GEMV's first two segments, `nl2_*`; 0 bytes: none,
-    // the default), asked into L2 by this warp's lane 0 in 4 KB pieces: grid warp
-    // g = 8 b + warp takes pages [n g / W, n (g + 1) / W) of each range. The next launch's
-    // blocks can only start their copies once this launch's leave their SMs, so these keep
-    // the memory busy through the layer's tail (experiment: `DEEPINFER_CUDA_FFN1_NEXT_L2=1`;
-    // MOEF_NEXT_L2_AT=1, the default: once the warp has asked for its last unit; =2: once its
-    // down rows are done).
+    // The next launch's weights (a staged GEMV's first two segments, `nl2_*`: the next layer's
+    // q/kv_a rows; 0 bytes: none), asked into L2 by this warp's lane 0 in 4 KB pieces once its
+    // down rows are done: grid warp g = 8 b + warp takes pages [n g / W, n (g + 1) / W) of each
+    // range. The next launch's 136 KB blocks can start their copies only once this launch's
+    // leave their SMs, so these keep the memory busy through the layer's tail and the launch
+    // between (session 39, H100: 0.991x / 0.984x a step; asked for as the warp asked for its
+    // last unit instead, 1.017x slower: they then compete with the down rows).
     const nl2_t nl2 = {nl2_0, nl2_1, nl2_bytes0, nl2_bytes1};
     auto ask_next_l2 = [&] {
         if (lane != 0) return;
@@ -1960,8 +1955,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
     }
     __syncthreads();
-    // (MOEF_NEXT_L2_AT == 1: a warp whose last unit is already asked for asks after its rows)
-    const bool issued_before_down = MOEF_NEXT_L2_AT == 1 && issued == my_units;
     // down: row pair p of this block by warp p % 8, its slots' units in turn
     for (int p = warp; p < nrp; p += MOEF_WARPS) {
         // the pair's residual values, asked for now so the pair's end waits for no load
@@ -2003,10 +1996,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 }
             }
             __syncwarp();
-            if (MOEF_ISSUER && issued < my_units) {
-                issue(issued++);
-                if (MOEF_NEXT_L2_AT == 1 && issued == my_units) ask_next_l2();
-            }
+            if (MOEF_ISSUER && issued < my_units) issue(issued++);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -2023,8 +2013,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             }
         }
     }
-    // (at 2 every warp asks here; at 1 a warp that had asked for its last unit before its rows)
-    if (MOEF_NEXT_L2_AT == 2 || issued_before_down) ask_next_l2();
+    ask_next_l2();
     di_trace_phase(4);
 #ifdef DEEPINFER_TRACE
     if (qrows == 0) {

@@ -202,10 +202,10 @@ pub struct CudaOptions {
     /// H100, doc/benchmarks.md); `DEEPINFER_CUDA_FK1_L2=1` turns it on.
     pub fk1_l2: bool,
     /// A `moe_ffn1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
-    /// product) asks that GEMV's weights into L2 as its warps ask for their last units, so the
+    /// product) asks that GEMV's weights into L2 as its warps finish their down rows, so the
     /// memory streams through the layer's tail, where the GEMV's blocks cannot yet start their
-    /// copies (`moe::link_next_weights`); off by default (an experiment, doc/benchmarks.md);
-    /// `DEEPINFER_CUDA_FFN1_NEXT_L2=1` turns it on.
+    /// copies (`moe::link_next_weights`; 0.991x / 0.984x a Moonlight step on an H100,
+    /// doc/benchmarks.md); `DEEPINFER_CUDA_FFN1_NEXT_L2=0` turns it off.
     pub ffn1_next_l2: bool,
     /// How a `moe_ffn1` block asks L2 for its down rows of the shared experts while the grid
     /// waits for the router's logits (the memory idles then: the rings are full): 0, not at
@@ -402,7 +402,7 @@ impl Default for CudaOptions {
             moe_ffn1: true,
             moe_splitk: false,
             fk1_l2: false,
-            ffn1_next_l2: false,
+            ffn1_next_l2: true,
             ffn1_l2: 2,
             ffn1_next: false,
             ffn1_prev: false,

@@ -1121,7 +1121,7 @@ fn is_down_dec(m: &Module, kernel: KernelId, args: &[u64]) -> bool {
 /// GEMV, as its blocks finish; with `fk1` (`CudaOptions::fk1_l2`) a `moe_fk1` launch followed by
 /// any staged GEMV, once its blocks' units are done; with `ffn1` (`CudaOptions::ffn1_next_l2`) a
 /// `moe_ffn1` launch with no product folded in after it, followed by any staged GEMV, as its
-/// warps ask for their last units. Run on a pass before it executes; the same pass gives the
+/// warps finish their down rows. Run on a pass before it executes; the same pass gives the
 /// same arguments, so captured graphs still match. Returns how many launches it linked.
 pub(crate) fn link_next_weights(
     ops: &mut [Op],
