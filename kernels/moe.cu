@@ -1872,12 +1872,25 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // asks L2 for this block's down rows of the shared experts, 4 KB a lane (`l2f`: 0 not at
     // all, 1 as any line, 2 evict_last, kept before the evict-first weight streams)
     auto ask_l2 = [&] {
-        if (l2f == 0 || warp != MOEF_WARPS - 1) return;
-        const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
-        const long n = 2L * nrp * ush * 2;
-        for (long o = (long)lane << 12; o < n; o += 32L << 12) {
-            prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
+        if (warp != MOEF_WARPS - 1) return;
+        if (l2f != 0) {
+            const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
+            const long n = 2L * nrp * ush * 2;
+            for (long o = (long)lane << 12; o < n; o += 32L << 12) {
+                prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
+            }
         }
+#ifdef MOEF_X_NEXT_EARLY
+        // Experiment (session 39, not yet run): the block's share of the next launch's rows
+        // (`nl2`) asked for here too, where the memory idles longer than the shared down rows
+        // take (=1 evict_last, kept through the expert streams; =2 as any line); the asks after
+        // the down rows then find them in L2, or bring back what was evicted
+        for (int k = 0; k < 2; k++) {
+            const long n = nl2.bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
+            for (long q = p0 + lane; q < p1; q += 32)
+                prefetch_l2_bulk(nl2.p[k] + (q << 12), 4096, MOEF_X_NEXT_EARLY == 1);
+        }
+#endif
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
                hs, red, cid, cw, sel, selw, eb, [&] {
