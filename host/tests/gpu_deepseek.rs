@@ -726,6 +726,18 @@ mod gpu {
                 bf16_weight,
             )
         }
+
+        /// [`Self::bf16_layer`] and the norm's `gain` before it, on `be`.
+        fn bf16_layer_gain<B: Backend>(
+            &self,
+            be: &B,
+            cfg: &RouterConfig,
+            (d, inter, shared_mult): (usize, usize, usize),
+            gain: &[f32],
+        ) -> (MoeLayer<B::Weight>, B::Weight) {
+            let g = be.prepare_weight(&Weight::from_f32(1, d, gain)).unwrap();
+            (self.bf16_layer(be, cfg, d, inter, shared_mult), g)
+        }
     }
 
     /// Sigmoid routing without a group limit, normalized and scaled.
@@ -1034,14 +1046,11 @@ mod gpu {
         let host = random_moe(&mut rng, e, d, inter, 3);
         let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
         let cpu = CpuBackend::new(2);
-        let lc = host.bf16_layer(&cpu, &cfg, d, inter, 3);
-        let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
-        let mut gpu = Vec::new();
-        for b in [&be, &bf, &bf_plain, &bf_old] {
-            let l = host.bf16_layer(b, &cfg, d, inter, 3);
-            let g = b.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
-            gpu.push((l, g));
-        }
+        let (lc, gc) = host.bf16_layer_gain(&cpu, &cfg, (d, inter, 3), &gain);
+        let gpu: Vec<_> = [&be, &bf, &bf_plain, &bf_old]
+            .into_iter()
+            .map(|b| host.bf16_layer_gain(b, &cfg, (d, inter, 3), &gain))
+            .collect();
         for n in [1usize, 3, 8] {
             let raw = rng.vec(n * d, 1.0);
             let res = rng.vec(n * d, 1.0);
@@ -1080,25 +1089,33 @@ mod gpu {
         }
     }
 
-    #[test]
-    fn one_launch_moe_layer_equals_the_three_decode_launches() {
-        if cuda(Some(Act::Bf16)).is_none() {
-            return;
-        }
-        // (the products before and after the layer folded in whatever the defaults)
+    /// A backend running `moe_ffn1` with `set`'s options and one taking the three decode
+    /// launches; `None`, with a note, where this device or process runs no `moe_ffn1`.
+    fn ffn1_pair(set: impl FnOnce(&mut CudaOptions)) -> Option<(CudaBackend, CudaBackend)> {
+        cuda(Some(Act::Bf16))?;
         let one = cuda_set(Act::Bf16, |o| {
             o.moe_ffn1 = true;
-            o.ffn1_prev = true;
-            o.ffn1_next = true;
+            set(o);
         });
         if !one.runs_moe_ffn1() {
             eprintln!(
                 "skipped: this backend does not run moe_ffn1 (a device below sm_90, no block an \
                  SM fits, or another backend of this process runs it)"
             );
-            return;
+            return None;
         }
-        let bf = cuda_set(Act::Bf16, |o| o.moe_ffn1 = false);
+        Some((one, cuda_set(Act::Bf16, |o| o.moe_ffn1 = false)))
+    }
+
+    #[test]
+    fn one_launch_moe_layer_equals_the_three_decode_launches() {
+        // (the products before and after the layer folded in whatever the defaults)
+        let Some((one, bf)) = ffn1_pair(|o| {
+            o.ffn1_prev = true;
+            o.ffn1_next = true;
+        }) else {
+            return;
+        };
         assert!(!bf.runs_moe_ffn1());
         let cpu = CpuBackend::new(2);
         let mut rng = Rng::fresh("moe_ffn1");
@@ -1112,16 +1129,9 @@ mod gpu {
             let cfg = sigmoid_router(e, k, 2.4);
             let host = random_moe(&mut rng, e, d, inter, sh);
             let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
-            let lc = host.bf16_layer(&cpu, &cfg, d, inter, sh);
-            let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
-            let (l3, g3) = (
-                host.bf16_layer(&bf, &cfg, d, inter, sh),
-                bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-            );
-            let (l1, g1) = (
-                host.bf16_layer(&one, &cfg, d, inter, sh),
-                one.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-            );
+            let (lc, gc) = host.bf16_layer_gain(&cpu, &cfg, (d, inter, sh), &gain);
+            let (l3, g3) = host.bf16_layer_gain(&bf, &cfg, (d, inter, sh), &gain);
+            let (l1, g1) = host.bf16_layer_gain(&one, &cfg, (d, inter, sh), &gain);
             // several steps: each launch must find its counters zeroed by the one before
             for step in 0..4 {
                 let raw = rng.vec(d, 1.0);
@@ -1198,36 +1208,20 @@ mod gpu {
     /// the separate launches' to the bit.
     #[test]
     fn one_launch_moe_layer_asking_the_next_rows_into_l2_keeps_its_outputs() {
-        if cuda(Some(Act::Bf16)).is_none() {
-            return;
-        }
-        let one = cuda_set(Act::Bf16, |o| {
-            o.moe_ffn1 = true;
+        let Some((one, bf)) = ffn1_pair(|o| {
             o.ffn1_prev = false;
             o.ffn1_next = false;
             o.ffn1_next_l2 = true;
-        });
-        if !one.runs_moe_ffn1() {
-            eprintln!(
-                "skipped: this backend does not run moe_ffn1 (a device below sm_90, no block an \
-                 SM fits, or another backend of this process runs it)"
-            );
+        }) else {
             return;
-        }
-        let bf = cuda_set(Act::Bf16, |o| o.moe_ffn1 = false);
+        };
         let mut rng = Rng::fresh("moe_ffn1_l2");
         let (d, inter, e, k, sh) = (2048, 64, 64, 6, 2);
         let cfg = sigmoid_router(e, k, 2.4);
         let host = random_moe(&mut rng, e, d, inter, sh);
         let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
-        let (l3, g3) = (
-            host.bf16_layer(&bf, &cfg, d, inter, sh),
-            bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-        );
-        let (l1, g1) = (
-            host.bf16_layer(&one, &cfg, d, inter, sh),
-            one.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-        );
+        let (l3, g3) = host.bf16_layer_gain(&bf, &cfg, (d, inter, sh), &gain);
+        let (l1, g1) = host.bf16_layer_gain(&one, &cfg, (d, inter, sh), &gain);
         let case = NextCase::random(&mut rng, d, (3072, 576, 2048));
         let (n3, n1) = (case.weights(&bf), case.weights(&one));
         for step in 0..3 {
@@ -1278,18 +1272,10 @@ mod gpu {
         ] {
             let cfg = sigmoid_router(e, k, 2.4);
             let host = random_moe(&mut rng, e, d, inter, sh.max(1));
-            let make = |b: &CudaBackend| host.bf16_layer(b, &cfg, d, inter, sh);
-            let lc = host.bf16_layer(&cpu, &cfg, d, inter, sh);
             let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
-            let gc = cpu.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap();
-            let (l3, g3) = (
-                make(&bf),
-                bf.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-            );
-            let (l1, g1) = (
-                make(&fk),
-                fk.prepare_weight(&Weight::from_f32(1, d, &gain)).unwrap(),
-            );
+            let (lc, gc) = host.bf16_layer_gain(&cpu, &cfg, (d, inter, sh), &gain);
+            let (l3, g3) = host.bf16_layer_gain(&bf, &cfg, (d, inter, sh), &gain);
+            let (l1, g1) = host.bf16_layer_gain(&fk, &cfg, (d, inter, sh), &gain);
             // several steps: each launch must find its counters zeroed by the one before
             let mut first = None;
             for step in 0..4 {
