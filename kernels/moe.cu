@@ -1746,6 +1746,15 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
     };
+    // the two rows of the warp's i-th unit (counted past the product before the layer), a down
+    // unit: slot q's rows 2 r' and 2 r' + 1 of the block's row pair (i - my_ng) / S
+    auto down_rows = [&](int i, const bf16_t*& p0, const bf16_t*& p1) {
+        const int q = (i - my_ng) % S;
+        const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
+        p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
+                          : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
+        p1 = p0 + (q < n_shared ? ush : inter);
+    };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
     // layer's units, i after them
@@ -1759,7 +1768,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             return;
         }
         const int i = ia - my_no;
-        const int u = warp + MOEF_WARPS * i, q = (i - my_ng) % S;
+        const int u = warp + MOEF_WARPS * i;
         const bf16_t *p0, *p1;
         u32 bytes = (u32)d * 2;
         if (i >= my_gd) {
@@ -1784,10 +1793,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + (long)r * d;
             p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + (long)r * d;
         } else {
-            const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
-            p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
-                              : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
-            p1 = p0 + (q < n_shared ? ush : inter);
+            down_rows(i, p0, p1);
             bytes = (u32)inter * 2;
         }
         fill(pg, p0, p1, true, bytes, true);
@@ -1939,6 +1945,20 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             act_store(act, (long)s * inter + j % inter, swiglu(gs, us));
         }
     }
+#ifdef MOEF_X_DOWN_AHEAD
+    // Experiment (session 39, not yet run): while the grid meets, the warp's ring holds its
+    // first down units and the memory idles; lane 0 asks L2 for the next MOEF_X_DOWN_AHEAD
+    // down units' rows past those, so the down phase starts deeper than the ring
+    if (lane == 0)
+        for (int ia = issued; ia < my_units && ia < issued + MOEF_X_DOWN_AHEAD; ia++) {
+            const int i = ia - my_no;
+            if (i < my_ng || i >= my_gd) continue;
+            const bf16_t *p0, *p1;
+            down_rows(i, p0, p1);
+            prefetch_l2_bulk(p0, (unsigned)inter * 2);
+            prefetch_l2_bulk(p1, (unsigned)inter * 2);
+        }
+#endif
     // every block's gate/up done
     __syncthreads();
     di_trace_phase(2);
