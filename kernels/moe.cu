@@ -1655,11 +1655,17 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 #define MOEF_EARLY_END true
 #endif
 
-// The next launch's weights a block of moe_ffn1 asks into L2 (two address, bytes ranges).
-struct nl2_t {
-    const u8* p[2];
-    long bytes[2];
-};
+// Asks L2 for share s of N of two (address, bytes) ranges of the next launch's weights: of
+// each range's n whole 4 KB pieces, pieces [n s / N, n (s + 1) / N), the caller's thread taking
+// pieces first, first + step, ... (`keep`: marked evict_last). moe_ffn1 and moe_fk1.
+__device__ __forceinline__ void moe_ask_share_l2(const u8* const (&p)[2], const long (&bytes)[2], long s, long N,
+                                                 int first, int step, bool keep = false) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const long n = bytes[k] >> 12, p1 = n * (s + 1) / N;
+        for (long q = n * s / N + first; q < p1; q += step) prefetch_l2_bulk(p[k] + (q << 12), 4096, keep);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     bf16_t* out, bf16_t* res, bf16_t* hn, const bf16_t* src, const float* gain, float eps, bf16_t* act,
@@ -1798,23 +1804,10 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         }
         fill(pg, p0, p1, true, bytes, true);
     };
-    // The next launch's weights (a staged GEMV's first two segments, `nl2_*`: the next layer's
-    // q/kv_a rows; 0 bytes: none), asked into L2 by this warp's lane 0 in 4 KB pieces once its
-    // down rows are done: grid warp g = 8 b + warp takes pages [n g / W, n (g + 1) / W) of each
-    // range. The next launch's 136 KB blocks can start their copies only once this launch's
-    // leave their SMs, so these keep the memory busy through the layer's tail and the launch
-    // between (session 39, H100: 0.991x / 0.984x a step; asked for as the warp asked for its
-    // last unit instead, 1.017x slower: they then compete with the down rows).
-    const nl2_t nl2 = {nl2_0, nl2_1, nl2_bytes0, nl2_bytes1};
-    auto ask_next_l2 = [&] {
-        if (lane != 0) return;
-        const long W = (long)G * MOEF_WARPS, g = (long)b * MOEF_WARPS + warp;
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const long n = nl2.bytes[k] >> 12;
-            for (long p = n * g / W; p < n * (g + 1) / W; p++) prefetch_l2_bulk(nl2.p[k] + (p << 12), 4096);
-        }
-    };
+    // the next launch's weights (a staged GEMV's first two segments: the next layer's q/kv_a
+    // rows; 0 bytes: none), asked into L2 after the down rows
+    const u8* nl2[2] = {nl2_0, nl2_1};
+    const long nl2_bytes[2] = {nl2_bytes0, nl2_bytes1};
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
     auto early = [&](int ia) {
@@ -1891,11 +1884,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         // (`nl2`) asked for here too, where the memory idles longer than the shared down rows
         // take (=1 evict_last, kept through the expert streams; =2 as any line); the asks after
         // the down rows then find them in L2, or bring back what was evicted
-        for (int k = 0; k < 2; k++) {
-            const long n = nl2.bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
-            for (long q = p0 + lane; q < p1; q += 32)
-                prefetch_l2_bulk(nl2.p[k] + (q << 12), 4096, MOEF_X_NEXT_EARLY == 1);
-        }
+        moe_ask_share_l2(nl2, nl2_bytes, b, G, lane, 32, MOEF_X_NEXT_EARLY == 1);
 #endif
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
@@ -2046,7 +2035,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             }
         }
     }
-    ask_next_l2();
+    // The next launch's 136 KB blocks can start their copies only once this launch's leave
+    // their SMs, so this warp's lane 0 asks L2 for its share of that launch's rows now (grid
+    // warp 8 b + warp of 8 G): they keep the memory busy through the layer's tail and the
+    // launch between (session 39, H100: 0.991x / 0.984x a step; asked for as the warp asked
+    // for its last unit instead, 1.017x slower: they then compete with the down rows)
+    if (lane == 0) moe_ask_share_l2(nl2, nl2_bytes, (long)b * MOEF_WARPS + warp, (long)G * MOEF_WARPS, 0, 1);
     di_trace_phase(4);
 #ifdef DEEPINFER_TRACE
     if (qrows == 0) {
@@ -2240,12 +2234,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_fk1_bf16(
     // The memory idles from here to the launch's end: the block asks its share of the next
     // launch's weights (`l2`: two address, bytes ranges; 0 bytes: none) into L2, 4 KB a lane
     // of warp 0.
-    if (warp == 0)
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            const long n = l2_bytes[k] >> 12, p0 = n * b / G, p1 = n * (b + 1) / G;
-            for (long p = p0 + lane; p < p1; p += 32) prefetch_l2_bulk(l2[k] + (p << 12), 4096);
-        }
+    if (warp == 0) moe_ask_share_l2(l2, l2_bytes, b, G, lane, 32);
     // the warps' sums in warp order into part[b] (the ring is free: every copy was waited for)
     __syncthreads();
     float* ws = reinterpret_cast<float*>(moef_smem);

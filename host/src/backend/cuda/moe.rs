@@ -1138,20 +1138,19 @@ pub(crate) fn link_next_weights(
         else {
             continue;
         };
+        // any staged GEMV, 8-row or wide blocks
+        let staged = among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel);
         // where the launch's two (address, bytes) ranges start
         let at = if down_dec && is_down_dec(m, *kernel, args) && among(m.bf16.gemvp, g.kernel) {
             14
-        } else if fk1
-            && m.deepseek[1].moe_fk1 == Some(*kernel)
-            && args.len() == FK1_ARGS
-            && (among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel))
+        } else if fk1 && staged && m.deepseek[1].moe_fk1 == Some(*kernel) && args.len() == FK1_ARGS
         {
             FK1_L2
         } else if ffn1
+            && staged
             && m.deepseek[1].moe_ffn1 == Some(*kernel)
             && args.len() == FFN1_ARGS
             && args[FFN1_NEXT..FFN1_PREV].iter().all(|&v| v == 0)
-            && (among(m.bf16.gemvp, g.kernel) || among(m.bf16.gemvp_wide, g.kernel))
         {
             FFN1_NEXT_L2
         } else {
