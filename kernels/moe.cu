@@ -1657,13 +1657,13 @@ __device__ __forceinline__ void moef_route_loads(uint4 (&graw)[1][2], MoeTok1& t
 
 // Asks L2 for share s of N of two (address, bytes) ranges of the next launch's weights: of
 // each range's n whole 4 KB pieces, pieces [n s / N, n (s + 1) / N), the caller's thread taking
-// pieces first, first + step, ... (`keep`: marked evict_last). moe_ffn1 and moe_fk1.
+// pieces first, first + step, ... moe_ffn1 and moe_fk1.
 __device__ __forceinline__ void moe_ask_share_l2(const u8* const (&p)[2], const long (&bytes)[2], long s, long N,
-                                                 int first, int step, bool keep = false) {
+                                                 int first, int step) {
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         const long n = bytes[k] >> 12, p1 = n * (s + 1) / N;
-        for (long q = n * s / N + first; q < p1; q += step) prefetch_l2_bulk(p[k] + (q << 12), 4096, keep);
+        for (long q = n * s / N + first; q < p1; q += step) prefetch_l2_bulk(p[k] + (q << 12), 4096);
     }
 }
 
@@ -1879,13 +1879,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
                 prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
             }
         }
-#ifdef MOEF_X_NEXT_EARLY
-        // Experiment (session 39, not yet run): the block's share of the next launch's rows
-        // (`nl2`) asked for here too, where the memory idles longer than the shared down rows
-        // take (=1 evict_last, kept through the expert streams; =2 as any line); the asks after
-        // the down rows then find them in L2, or bring back what was evicted
-        moe_ask_share_l2(nl2, nl2_bytes, b, G, lane, 32, MOEF_X_NEXT_EARLY == 1);
-#endif
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
                hs, red, cid, cw, sel, selw, eb, [&] {
@@ -1934,20 +1927,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             act_store(act, (long)s * inter + j % inter, swiglu(gs, us));
         }
     }
-#ifdef MOEF_X_DOWN_AHEAD
-    // Experiment (session 39, not yet run): while the grid meets, the warp's ring holds its
-    // first down units and the memory idles; lane 0 asks L2 for the next MOEF_X_DOWN_AHEAD
-    // down units' rows past those, so the down phase starts deeper than the ring
-    if (lane == 0)
-        for (int ia = issued; ia < my_units && ia < issued + MOEF_X_DOWN_AHEAD; ia++) {
-            const int i = ia - my_no;
-            if (i < my_ng || i >= my_gd) continue;
-            const bf16_t *p0, *p1;
-            down_rows(i, p0, p1);
-            prefetch_l2_bulk(p0, (unsigned)inter * 2);
-            prefetch_l2_bulk(p1, (unsigned)inter * 2);
-        }
-#endif
     // every block's gate/up done
     __syncthreads();
     di_trace_phase(2);
