@@ -1203,6 +1203,43 @@ mod gpu {
         }
     }
 
+    /// `CudaOptions::ffn1_blocks`: `moe_ffn1` on fewer blocks than SMs (64, so every shape's
+    /// units are dealt out otherwise than on one block an SM) gives the three launches' outputs
+    /// to the bit: no sum's order depends on the grid.
+    #[test]
+    fn one_launch_moe_layer_on_fewer_blocks_equals_the_three_decode_launches() {
+        let Some((one, bf)) = ffn1_pair(|o| {
+            o.ffn1_prev = false;
+            o.ffn1_next = false;
+            o.ffn1_blocks = 64;
+        }) else {
+            return;
+        };
+        let mut rng = Rng::fresh("moe_ffn1_blocks");
+        for (d, inter, e, k, sh) in [(264, 40, 20, 6, 3), (2048, 1408, 64, 6, 2)] {
+            let cfg = sigmoid_router(e, k, 2.4);
+            let host = random_moe(&mut rng, e, d, inter, sh);
+            let gain: Vec<f32> = rng.vec(d, 0.5).iter().map(|g| 1.0 + g).collect();
+            let (l3, g3) = host.bf16_layer_gain(&bf, &cfg, (d, inter, sh), &gain);
+            let (l1, g1) = host.bf16_layer_gain(&one, &cfg, (d, inter, sh), &gain);
+            for step in 0..3 {
+                let raw = rng.vec(d, 1.0);
+                let res = rng.vec(d, 1.0);
+                let before = one.stats().ffn1_launches;
+                let (three, three_f) = moe_block(&bf, &l3, &g3, &raw, &res, 1, d);
+                let (got, got_f) = moe_block(&one, &l1, &g1, &raw, &res, 1, d);
+                let stats = one.stats();
+                assert_eq!(stats.ffn1_launches - before, 1, "moe_ffn1 did not run");
+                assert_eq!(stats.ffn1_blocks, 64, "moe_ffn1's grid");
+                assert!(
+                    got == three && got_f == three_f,
+                    "d {d}, inter {inter}, {e} experts, step {step}: 64 blocks differ from the three launches ({:e})",
+                    max_err(&got_f, &three_f, d)
+                );
+            }
+        }
+    }
+
     /// `CudaOptions::ffn1_next_l2`: a `moe_ffn1` launch followed by the next layer's staged
     /// q/kv_a product is given that product's weights to ask into L2, and every output stays
     /// the separate launches' to the bit.

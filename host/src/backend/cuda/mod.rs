@@ -217,6 +217,12 @@ pub struct CudaOptions {
     /// of 8 KB for Moonlight); fewer leave room for a block of the kernel before or after it
     /// beside it (`mla_dec1`'s) (`DEEPINFER_CUDA_FFN1_PAGES=N`, a multiple of 8).
     pub ffn1_pages: usize,
+    /// Blocks of a `moe_ffn1` / `moe_fk1` launch (0: one an SM). Fewer can deal the layer's
+    /// units out evenly (Moonlight on 128 blocks: 11 gate/up and 8 down units a warp, where
+    /// 132 leave a third of the warps a unit short at each phase's tail) and leave SMs free for
+    /// the next launch's first blocks (`DEEPINFER_CUDA_FFN1_BLOCKS=N`, at least the layer's
+    /// experts, at most the SMs).
+    pub ffn1_blocks: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -407,6 +413,7 @@ impl Default for CudaOptions {
             ffn1_next: false,
             ffn1_prev: false,
             ffn1_pages: 0,
+            ffn1_blocks: 0,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -507,6 +514,7 @@ impl CudaOptions {
         switch("DEEPINFER_CUDA_FK1_L2", &mut o.fk1_l2)?;
         switch("DEEPINFER_CUDA_FFN1_NEXT_L2", &mut o.ffn1_next_l2)?;
         count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
+        count("DEEPINFER_CUDA_FFN1_BLOCKS", "blocks", &mut o.ffn1_blocks)?;
         if o.ffn1_pages % 8 != 0 {
             return Err(Error::BadConfig(format!(
                 "DEEPINFER_CUDA_FFN1_PAGES={}: expected a multiple of 8 (a whole number of pages each of the 8 warps)",

@@ -594,7 +594,7 @@ fn ffn1_fits(
         && inner.act() == Act::Bf16
         && st.wi == 1
         && e <= 64
-        && e <= inner.module.sms
+        && e <= ffn1_blocks(inner, e)
         && k <= FFN1_MAX_TOP_K
         && slots <= FFN1_MAX_SLOTS
         && d <= FFN1_MAX_WIDTH
@@ -618,6 +618,17 @@ fn ffn1_fits(
         pages,
         page,
     })
+}
+
+/// Blocks of a `moe_ffn1` / `moe_fk1` launch of a layer of `e` experts: one an SM, or
+/// `CudaOptions::ffn1_blocks` where that lies in [e, SMs] (each of the first `e` blocks to
+/// arrive computes a logit; every block must be resident at once).
+fn ffn1_blocks(inner: &Inner, e: usize) -> usize {
+    let sms = inner.module.sms;
+    match inner.opts.ffn1_blocks {
+        n if n >= e && n <= sms => n,
+        _ => sms,
+    }
 }
 
 /// Most ring pages of `moe_fk1` (`MOEK_MAXP`).
@@ -731,16 +742,17 @@ fn forward_decode(
                 f.page as u64,
             ]
         };
+        let blocks = ffn1_blocks(inner, e);
         let launch = |f: &Ffn1, args: Vec<u64>| Op::Launch {
             kernel: f.kernel,
-            grid: [inner.module.sms as u32, 1, 1],
+            grid: [blocks as u32, 1, 1],
             block: MOE_FFN1_THREADS,
             smem: f.smem,
             args,
         };
         if let (Some(_), Some(f), Some(sp)) = (&ffn1, fk1_fits(inner, st, d), &st.split) {
             // the blocks' partial sums of the output
-            let part = inner.scratch(inner.module.sms * d, 4)?;
+            let part = inner.scratch(blocks * d, 4)?;
             let mut args = first(part.ptr(), sp.ptrs.ptr, sp.shared_downt, &f);
             // the next launch's weights: none until `link_next_weights` finds them
             debug_assert_eq!(args.len(), FK1_L2);
@@ -766,7 +778,11 @@ fn forward_decode(
             debug_assert_eq!(args.len(), FFN1_NEXT);
             args.resize(FFN1_ARGS, 0);
             args[FFN1_L2] = inner.opts.ffn1_l2 as u64;
-            inner.push(launch(&f, args));
+            let mut q = inner.queue();
+            q.push(launch(&f, args));
+            q.stats.ffn1_launches += 1;
+            q.stats.ffn1_blocks = blocks as u64;
+            drop(q);
             layer.count_device_step();
             return Ok(());
         }

@@ -209,6 +209,10 @@ pub struct QueueStats {
     pub ffn1_prev_folds: u64,
     /// One-token MoE layers queued as `moe_fk1` (`CudaOptions::moe_splitk`).
     pub fk1_launches: u64,
+    /// One-token MoE layers queued as `moe_ffn1`, and the last one's blocks
+    /// (`CudaOptions::ffn1_blocks`).
+    pub ffn1_launches: u64,
+    pub ffn1_blocks: u64,
     /// Launches given the next launch's weights to ask into L2 (`moe::link_next_weights`).
     pub l2_links: u64,
 }
