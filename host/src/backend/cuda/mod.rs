@@ -204,8 +204,8 @@ pub struct CudaOptions {
     /// A `moe_ffn1` launch followed by a one-token staged GEMV (the next layer's q/kv_a
     /// product) asks that GEMV's weights into L2 as its warps finish their down rows, so the
     /// memory streams through the layer's tail, where the GEMV's blocks cannot yet start their
-    /// copies (`moe::link_next_weights`; 0.991x / 0.984x a Moonlight step on an H100,
-    /// doc/benchmarks.md); `DEEPINFER_CUDA_FFN1_NEXT_L2=0` turns it off.
+    /// copies (`moe::link_next_weights`; 0.991x / 0.984x / 1.004x a Moonlight step in three
+    /// H100 calls, doc/benchmarks.md); `DEEPINFER_CUDA_FFN1_NEXT_L2=0` turns it off.
     pub ffn1_next_l2: bool,
     /// How a `moe_ffn1` block asks L2 for its down rows of the shared experts while the grid
     /// waits for the router's logits (the memory idles then: the rings are full): 0, not at
@@ -220,8 +220,9 @@ pub struct CudaOptions {
     /// Blocks of a `moe_ffn1` / `moe_fk1` launch (0: one an SM). Fewer can deal the layer's
     /// units out evenly (Moonlight on 128 blocks: 11 gate/up and 8 down units a warp, where
     /// 132 leave a third of the warps a unit short at each phase's tail) and leave SMs free for
-    /// the next launch's first blocks (`DEEPINFER_CUDA_FFN1_BLOCKS=N`, at least the layer's
-    /// experts, at most the SMs).
+    /// the next launch's first blocks; measured 1.005x slower on an H100 (doc/benchmarks.md),
+    /// so not the default (`DEEPINFER_CUDA_FFN1_BLOCKS=N`, at least the layer's experts, at
+    /// most the SMs).
     pub ffn1_blocks: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
