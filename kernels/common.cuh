@@ -478,8 +478,12 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
     // y fastest, so a grid of a few x (the MoE slots) by many y is sampled in every x; the
     // block number's low 4 bits equal to its next 4, so a cluster grid (ranks by heads) is
     // sampled across heads and ranks, not one head's whole cluster
+    // (DI_TRACE_ALL: every block stamps, so a phase's first and last are the grid's, at the
+    // cost of every block's claim of the record)
+#ifndef DI_TRACE_ALL
     const u64 b = blockIdx.y + (u64)gridDim.y * (blockIdx.x + (u64)gridDim.x * blockIdx.z);
     if ((b ^ (b >> 4)) & 15) return;
+#endif
     u64 g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
     const u64 t = gtime();

@@ -2073,6 +2073,8 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // the last block out leaves the counters zeroed for the next launch
     if (tid == 0 && !MOEF_EARLY_END) out_before = atomicAdd(&cnt[2], 1u);
     if (tid == 0 && out_before == (u32)G - 1) moef_reset(cnt, MOEF_COUNTERS);
+    // (traced builds: the block's last instruction, where no product follows)
+    if (qrows == 0) di_trace_phase(6);
 #endif
 }
 
