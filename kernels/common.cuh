@@ -473,7 +473,7 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 #define DI_TRACE_WORDS (6 + 2 * DI_TRACE_PHASES)
 __device__ u64 di_trace[DI_TRACE_SLOTS * DI_TRACE_WORDS];
 // field 0: trigger, 1: wait, 2 + k: phase k
-__device__ __forceinline__ void di_trace_stamp(int field) {
+__device__ __forceinline__ void di_trace_stamp_at(int field, u64 t) {
     if (threadIdx.x | threadIdx.y | threadIdx.z) return;
     // y fastest, so a grid of a few x (the MoE slots) by many y is sampled in every x; the
     // block number's low 4 bits equal to its next 4, so a cluster grid (ranks by heads) is
@@ -486,7 +486,6 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
 #endif
     u64 g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    const u64 t = gtime();
     const u64 key = g + 1;
     // The block's record, found once: the claim (a compare-and-swap whose result the thread
     // waits for, a round trip to L2 that a loaded memory makes long) is paid by the block's
@@ -519,12 +518,20 @@ __device__ __forceinline__ void di_trace_stamp(int field) {
         atomicMax(r + 4 + DI_TRACE_PHASES + field, ~t);
     }
 }
+__device__ __forceinline__ void di_trace_stamp(int field) { di_trace_stamp_at(field, gtime()); }
+// The time now, for a stamp made later (di_trace_phase_at): a block's first instruction, say,
+// whose stamp (the record's claim, a round trip) would delay what follows.
+__device__ __forceinline__ u64 di_trace_now() { return gtime(); }
 #else
+__device__ __forceinline__ void di_trace_stamp_at(int, u64) {}
 __device__ __forceinline__ void di_trace_stamp(int) {}
+__device__ __forceinline__ u64 di_trace_now() { return 0; }
 #endif
 // Phase k (< DI_TRACE_PHASES) of a kernel reached, by thread 0 of the sampled blocks (traced
 // builds only): where a long kernel's time goes inside the pass.
 __device__ __forceinline__ void di_trace_phase(int k) { di_trace_stamp(2 + k); }
+// Phase k stamped with an earlier time `t` (from di_trace_now).
+__device__ __forceinline__ void di_trace_phase_at(int k, u64 t) { di_trace_stamp_at(2 + k, t); }
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -365,6 +365,8 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
                                            long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
     constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0;
     constexpr int R = GEMVP_ROWS * RPW;
+    // (traced builds: the block's first instruction, stamped as p7 once the copies are asked)
+    const u64 t_entry = di_trace_now();
     uint4* wbuf;
     float* xs;
     if constexpr (RPW == 1) {
@@ -399,6 +401,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     // The next launch comes in first thing: its copies before its wait pay even while these
     // rows stream (holding the trigger until they have landed was 2-8% slower, session 38).
     pdl_launch_dependents();
+    di_trace_phase_at(7, t_entry);
     pdl_wait();
     float resv[RPW];
 #pragma unroll
