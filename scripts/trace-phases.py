@@ -5,6 +5,10 @@ sampled block (us after the first wait), and of the gap from the latest phase st
 sampled block to the next launch's first wait (where the memory idles between launches).
 
     scripts/trace-phases.py trace-a.txt [trace-b.txt ...] [--kernel moe_ffn1] [--skip 1]
+    scripts/trace-phases.py trace-all.txt --after moe_ffn1
+
+--after prints what follows each launch of a kernel instead: the next launch's first
+instruction (where it stamps p7), first start and first wait after the kernel's latest stamp.
 
 --kernel keeps the kernels whose names start with it (default: every kernel); --skip drops each
 name's first N launches (default 1: the first layer's launches often differ).
@@ -25,7 +29,15 @@ def load(path):
             if not m:
                 continue
             phases = {int(p.group(1)): (float(p.group(2)), float(p.group(3))) for p in PHASE.finditer(m.group(10))}
-            rows.append({"name": m.group(2), "wait": float(m.group(7)), "share": float(m.group(9)), "phases": phases})
+            rows.append(
+                {
+                    "name": m.group(2),
+                    "start": float(m.group(5)),
+                    "wait": float(m.group(7)),
+                    "share": float(m.group(9)),
+                    "phases": phases,
+                }
+            )
     return rows
 
 
@@ -61,14 +73,51 @@ def summarize(path, prefix, skip):
         print(line)
 
 
+def after(path, prefix, skip):
+    """What follows each launch of `prefix`: from its latest phase stamp (its last block's end,
+    when every block stamps: DI_TRACE_ALL) to the next launch's first p7 (gemvp: a block's first
+    instruction), first start (trigger) and first wait, medians over the launches."""
+    rows = load(path)
+    ends = []
+    for i, r in enumerate(rows[:-1]):
+        if not family(r["name"]).startswith(prefix) or not r["phases"]:
+            continue
+        end = r["wait"] + max(b for _, b in r["phases"].values())
+        n = rows[i + 1]
+        ends.append(
+            {
+                "next": family(n["name"]),
+                "p7": n["wait"] + n["phases"][7][0] - end if 7 in n["phases"] else None,
+                "start": n["start"] - end,
+                "wait": n["wait"] - end,
+            }
+        )
+    ends = ends[skip:] or ends
+    if not ends:
+        print(f"{path}: no launch of {prefix} with phases")
+        return
+    med = statistics.median
+    p7 = [e["p7"] for e in ends if e["p7"] is not None]
+    nexts = sorted({e["next"] for e in ends})
+    line = f"{path}: after {prefix} (n={len(ends)}; next: {', '.join(nexts)}), us from its latest stamp:"
+    if p7:
+        line += f" next's first instruction {med(p7):+.2f},"
+    line += f" first start {med(e['start'] for e in ends):+.2f}, first wait {med(e['wait'] for e in ends):+.2f}"
+    print(line)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--kernel", default="")
     ap.add_argument("--skip", type=int, default=1)
+    ap.add_argument("--after", default="", help="what follows each launch of this kernel (see after())")
     a = ap.parse_args()
     for t in a.traces:
-        summarize(t, a.kernel, a.skip)
+        if a.after:
+            after(t, a.after, a.skip)
+        else:
+            summarize(t, a.kernel, a.skip)
 
 
 if __name__ == "__main__":
