@@ -1752,15 +1752,6 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
         __syncwarp();
         if (lane == 0) page_fill(dst, bar, bytes, lanes || !two ? 1 : 2, p0, p1);
     };
-    // the two rows of the warp's i-th unit (counted past the product before the layer), a down
-    // unit: slot q's rows 2 r' and 2 r' + 1 of the block's row pair (i - my_ng) / S
-    auto down_rows = [&](int i, const bf16_t*& p0, const bf16_t*& p1) {
-        const int q = (i - my_ng) % S;
-        const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
-        p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
-                          : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
-        p1 = p0 + (q < n_shared ? ush : inter);
-    };
     // this warp's ia-th unit into its page (every lane; lane 0 alone with MOEF_X_BULK; units reading
     // the picked experts only once the routing is done): ia counts from the product before the
     // layer's units, i after them
@@ -1774,7 +1765,7 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             return;
         }
         const int i = ia - my_no;
-        const int u = warp + MOEF_WARPS * i;
+        const int u = warp + MOEF_WARPS * i, q = (i - my_ng) % S;
         const bf16_t *p0, *p1;
         u32 bytes = (u32)d * 2;
         if (i >= my_gd) {
@@ -1799,15 +1790,14 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
             p0 = reinterpret_cast<const bf16_t*>(sel[s][0]) + (long)r * d;
             p1 = reinterpret_cast<const bf16_t*>(sel[s][1]) + (long)r * d;
         } else {
-            down_rows(i, p0, p1);
+            const long r = 2L * (rp0 + (i - my_ng) / S * MOEF_WARPS + warp);
+            p0 = q < n_shared ? sh_down + r * ush + (long)q * inter
+                              : reinterpret_cast<const bf16_t*>(sel[q - n_shared][2]) + r * inter;
+            p1 = p0 + (q < n_shared ? ush : inter);
             bytes = (u32)inter * 2;
         }
         fill(pg, p0, p1, true, bytes, true);
     };
-    // the next launch's weights (a staged GEMV's first two segments: the next layer's q/kv_a
-    // rows; 0 bytes: none), asked into L2 after the down rows
-    const u8* nl2[2] = {nl2_0, nl2_1};
-    const long nl2_bytes[2] = {nl2_bytes0, nl2_bytes1};
     // whether the warp's ia-th unit reads no picked expert (the product before the layer, a
     // shared expert's gate/up rows), so it may be asked for before the routing is done
     auto early = [&](int ia) {
@@ -1871,13 +1861,11 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // asks L2 for this block's down rows of the shared experts, 4 KB a lane (`l2f`: 0 not at
     // all, 1 as any line, 2 evict_last, kept before the evict-first weight streams)
     auto ask_l2 = [&] {
-        if (warp != MOEF_WARPS - 1) return;
-        if (l2f != 0) {
-            const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
-            const long n = 2L * nrp * ush * 2;
-            for (long o = (long)lane << 12; o < n; o += 32L << 12) {
-                prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
-            }
+        if (l2f == 0 || warp != MOEF_WARPS - 1) return;
+        const u8* p = reinterpret_cast<const u8*>(sh_down + 2L * rp0 * ush);
+        const long n = 2L * nrp * ush * 2;
+        for (long o = (long)lane << 12; o < n; o += 32L << 12) {
+            prefetch_l2_bulk(p + o, (unsigned)min(4096L, n - o), l2f == 2);
         }
     };
     moef_route(t, graw, src, hn, gain, eps, gate_wt, logits, cnt, totals, last, d, E, K, score, norm, scaling, om > 0,
@@ -2017,8 +2005,12 @@ extern "C" __global__ void __launch_bounds__(MOEF_THREADS, 1) moe_ffn1_bf16(
     // The next launch's 136 KB blocks can start their copies only once this launch's leave
     // their SMs, so this warp's lane 0 asks L2 for its share of that launch's rows now (grid
     // warp 8 b + warp of 8 G): they keep the memory busy through the layer's tail and the
-    // launch between (session 39, H100: 0.991x / 0.984x a step; asked for as the warp asked
-    // for its last unit instead, 1.017x slower: they then compete with the down rows)
+    // launch between (sessions 39-40, H100: 0.991x / 0.984x / 1.004x a step; asked for as the
+    // warp asked for its last unit instead, 1.017x slower: they then compete with the down
+    // rows). `nl2`: a staged GEMV's first two segments, the next layer's q/kv_a rows (0 bytes:
+    // none).
+    const u8* nl2[2] = {nl2_0, nl2_1};
+    const long nl2_bytes[2] = {nl2_bytes0, nl2_bytes1};
     if (lane == 0) moe_ask_share_l2(nl2, nl2_bytes, (long)b * MOEF_WARPS + warp, (long)G * MOEF_WARPS, 0, 1);
     di_trace_phase(4);
 #ifdef DEEPINFER_TRACE

@@ -46,16 +46,19 @@ def family(name):
     return re.sub(r"_(bf16|f32|f16|wbf16|bf16w).*$", "", name)
 
 
+def latest(r):
+    """When a launch's last sampled block reached its latest phase (us into the pass): the phase
+    stamped latest, not the highest number (some kernels stamp a phase at their wait)."""
+    return r["wait"] + max(b for _, b in r["phases"].values())
+
+
 def summarize(path, prefix, skip):
     rows = load(path)
     by = {}
     for i, r in enumerate(rows):
         r["gap"] = None
         if r["phases"] and i + 1 < len(rows):
-            # the phase its last sampled block reached latest (not the highest number: some
-            # kernels stamp a phase at their wait)
-            end = max(b for _, b in r["phases"].values())
-            r["gap"] = rows[i + 1]["wait"] - (r["wait"] + end)
+            r["gap"] = rows[i + 1]["wait"] - latest(r)
         by.setdefault(family(r["name"]), []).append(r)
     print(f"{path}: {len(rows)} launches")
     for name, rs in by.items():
@@ -82,7 +85,7 @@ def after(path, prefix, skip):
     for i, r in enumerate(rows[:-1]):
         if not family(r["name"]).startswith(prefix) or not r["phases"]:
             continue
-        end = r["wait"] + max(b for _, b in r["phases"].values())
+        end = latest(r)
         n = rows[i + 1]
         ends.append(
             {

@@ -594,7 +594,7 @@ fn ffn1_fits(
         && inner.act() == Act::Bf16
         && st.wi == 1
         && e <= 64
-        && e <= ffn1_blocks(inner, e)
+        && e <= inner.module.sms
         && k <= FFN1_MAX_TOP_K
         && slots <= FFN1_MAX_SLOTS
         && d <= FFN1_MAX_WIDTH
