@@ -363,8 +363,9 @@ template <int MODE, int RPW>
 __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8* w2, bf16_t* y0, bf16_t* y1,
                                            bf16_t* y2, int m0, int m1, int m2, const bf16_t* x, int k,
                                            long row_bytes, const float* g, float eps, bf16_t* h, bf16_t* res) {
-    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0;
+    constexpr bool NORM = (MODE & GEMVB_NORM) != 0, ACC = (MODE & GEMVB_ACC) != 0, SWIGLU = (MODE & GEMVB_SWIGLU) != 0;
     constexpr int R = GEMVP_ROWS * RPW;
+    static_assert(!SWIGLU || RPW == 1, "SwiGLU pairs the block's warps");
     // (traced builds: the block's first instruction, stamped as p7 once the copies are asked)
     const u64 t_entry = di_trace_now();
     uint4* wbuf;
@@ -383,7 +384,8 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nch = k >> 3;
     // Rows warp * RPW .. + RPW of this block; each warp copies its own rows: lane l takes
-    // chunks l, l + 32, ...
+    // chunks l, l + 32, ... SwiGLU (a gate/up pair of segments of m0 rows each): warp w < 4
+    // takes gate row 4 b + w, warp w + 4 the up row of the same index.
     const u8* wr[RPW];
     bf16_t* yr[RPW];
     long rr[RPW];
@@ -391,8 +393,11 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
         long mj;
-        ok[j] = gemv_seg((long)blockIdx.x * R + warp * RPW + j, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j],
-                         rr[j], mj);
+        constexpr int P = GEMVP_ROWS / 2;
+        const long pr = (long)blockIdx.x * P + warp % P;
+        const long g = SWIGLU ? pr + (warp < P ? 0 : m0) : (long)blockIdx.x * R + warp * RPW + j;
+        ok[j] = gemv_seg(g, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j], rr[j], mj) &&
+                (!SWIGLU || (m1 == m0 && pr < m0));
         wr[j] += rr[j] * row_bytes;
         for (int c = lane; c < nch; c += 32)
             cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
@@ -437,13 +442,23 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
 #else
     staged_dots<RPW>(&wbuf[warp * RPW * nch], nch, xs, nch, lane, part);
 #endif
+    if constexpr (SWIGLU) {
+        // the up warps' sums to the gate warps (rounded as the unfolded products store them)
+        __shared__ float up[GEMVP_ROWS / 2];
+        const float s = warp_sum(part[0]) * rstd;
+        if (warp >= GEMVP_ROWS / 2 && lane == 0) up[warp - GEMVP_ROWS / 2] = act_round(yr[0], s);
+        __syncthreads();
+        if (warp < GEMVP_ROWS / 2 && ok[0] && lane == 0)
+            act_store(yr[0], rr[0], swiglu(act_round(yr[0], s), up[warp]));
+    } else {
 #pragma unroll
-    for (int j = 0; j < RPW; j++) {
-        const float acc = warp_sum(part[j]);
-        if (ok[j] && lane == 0) {
-            const float s = acc * rstd;
-            act_store(yr[j], rr[j], s);
-            if (ACC) act_store(res, rr[j], resv[j] + act_round(yr[j], s));
+        for (int j = 0; j < RPW; j++) {
+            const float acc = warp_sum(part[j]);
+            if (ok[j] && lane == 0) {
+                const float s = acc * rstd;
+                act_store(yr[j], rr[j], s);
+                if (ACC) act_store(res, rr[j], resv[j] + act_round(yr[j], s));
+            }
         }
     }
     di_trace_phase(1);
@@ -458,6 +473,8 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
 GEMVP_WRAPPER(GEMVB_PLAIN, , 1, 8)
 GEMVP_WRAPPER(GEMVB_NORM, n, 1, 8)
 GEMVP_WRAPPER(GEMVB_ACC, a, 1, 8)
+GEMVP_WRAPPER(GEMVB_SWIGLU, s, 1, 8)
+GEMVP_WRAPPER(GEMVB_NORM | GEMVB_SWIGLU, ns, 1, 8)
 GEMVP_WRAPPER(GEMVB_PLAIN, , GEMVP_WIDE_RPW, 32)
 GEMVP_WRAPPER(GEMVB_NORM, n, GEMVP_WIDE_RPW, 32)
 GEMVP_WRAPPER(GEMVB_ACC, a, GEMVP_WIDE_RPW, 32)

@@ -374,25 +374,37 @@ fn skinny_tensor_core_gemms_match_the_cpu_and_fold_swiglu() {
 /// the CPU backend and against CUDA with the fold off (`fuse_silu: false`), which must flush
 /// one launch more and give bit-identical outputs: odd row counts (a block's last gate rows
 /// past the end), every token bound, the (4, 2) and (2, 4) row shapes and k beyond 8192 (whose
-/// unfolded kernel takes one row a block). The unfolded side keeps to the block GEMVs
-/// (`gemvp: false`): one token over 2048-wide rows would otherwise take the staged `gemvp*`
-/// kernels, which add a row's products in another order, so their bf16 outputs differ from the
-/// fold's now and then (seen once, for k = 2048, one token, with the norm).
+/// unfolded kernel takes one row a block). Each case runs twice: with the block GEMVs, and
+/// with one token over 2048-wide rows on the staged kernels (`gemvps*`,
+/// `CudaOptions::gemvp_swiglu`: 4 pairs a block, a block's last pairs past the end for 37 and
+/// 21 rows), whose unfolded side takes the staged `gemvp*` too: they add a row's products in
+/// the same order, where the block GEMVs add them in another (so their bf16 outputs differ from
+/// the staged ones' now and then), and the block GEMVs on both sides otherwise.
 #[test]
 fn swiglu_folds_into_block_gate_up_gemvs() {
-    let Some(be) = backend(Act::Bf16) else {
+    use deepinfer::backend::cuda::{CudaBackend, CudaOptions};
+    if backend(Act::Bf16).is_none() {
         return;
-    };
-    let plain = deepinfer::backend::cuda::CudaBackend::new(
-        0,
-        deepinfer::backend::cuda::CudaOptions {
-            act: Some(Act::Bf16),
-            fuse_silu: false,
-            gemvp: false,
-            ..deepinfer::backend::cuda::CudaOptions::from_env().unwrap()
-        },
-    )
-    .unwrap();
+    }
+    let env = CudaOptions::from_env().unwrap();
+    // (folded, unfolded) backends without and with the staged SwiGLU kernels
+    let pairs: Vec<(bool, CudaBackend, CudaBackend)> = [false, true]
+        .into_iter()
+        .map(|staged| {
+            let opts = |fuse_silu: bool, gemvp: bool| CudaOptions {
+                act: Some(Act::Bf16),
+                fuse_silu,
+                gemvp,
+                gemvp_swiglu: staged,
+                ..env.clone()
+            };
+            (
+                staged,
+                CudaBackend::new(0, opts(true, env.gemvp)).unwrap(),
+                CudaBackend::new(0, opts(false, env.gemvp && staged)).unwrap(),
+            )
+        })
+        .collect();
     let cpu = deepinfer::backend::cpu::CpuBackend::new(2);
     let mut rng = Rng::fresh("swiglu fold");
     for &(k, n, f, norm) in &[
@@ -435,19 +447,21 @@ fn swiglu_folds_into_block_gate_up_gemvs() {
                 b.to_host(&g).unwrap()
             }};
         }
-        let ops0 = (be.stats().ops, plain.stats().ops);
-        let got = run!(&be);
-        let unfolded = run!(&plain);
-        let ops = (be.stats().ops - ops0.0, plain.stats().ops - ops0.1);
         let want = run!(&cpu);
-        let what = format!("swiglu gemv k={k} n={n} rows={f} norm={norm}");
-        eprintln!("{what}: {} ops flushed folded, {} unfolded", ops.0, ops.1);
-        assert_eq!(ops.0 + 1, ops.1, "{what}: SwiGLU was not folded");
-        assert_close(&what, &got, &want, 1.5e-2);
-        let same = got
-            .iter()
-            .zip(&unfolded)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "{what}: folded and unfolded outputs differ");
+        for (staged, be, plain) in &pairs {
+            let ops0 = (be.stats().ops, plain.stats().ops);
+            let got = run!(be);
+            let unfolded = run!(plain);
+            let ops = (be.stats().ops - ops0.0, plain.stats().ops - ops0.1);
+            let what = format!("swiglu gemv k={k} n={n} rows={f} norm={norm} staged={staged}");
+            eprintln!("{what}: {} ops flushed folded, {} unfolded", ops.0, ops.1);
+            assert_eq!(ops.0 + 1, ops.1, "{what}: SwiGLU was not folded");
+            assert_close(&what, &got, &want, 1.5e-2);
+            let same = got
+                .iter()
+                .zip(&unfolded)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: folded and unfolded outputs differ");
+        }
     }
 }

@@ -149,8 +149,9 @@ impl Fold {
 /// whole Llama-3-8B batch-1 step on the H200 against 2.8 TB/s for the warp-per-row ones
 /// (doc/benchmarks.md): 4 rows x 2 loads per thread for k <= 4096, 2 x 4 up to 8192, 1 x 8
 /// beyond; several tokens always take 4 rows x 2 loads. Folded variants: bf16 weights only.
-/// One token over bf16 rows of 2048 (bf16 activations, no SwiGLU) takes `gemvp*` instead,
-/// 8 rows a block staged in shared memory (`CudaOptions::gemvp`).
+/// One token over bf16 rows of at most 2048 (bf16 activations) takes `gemvp*` instead, 8
+/// rows a block staged in shared memory (`CudaOptions::gemvp`; with SwiGLU, 4 gate/up pairs,
+/// `CudaOptions::gemvp_swiglu`).
 fn block_kernel(
     inner: &Inner,
     act: Act,
@@ -175,9 +176,16 @@ fn block_kernel(
         Fold::Acc => Some(2),
         Fold::Swiglu | Fold::NormSwiglu => None,
     };
+    let staged = inner.opts.gemvp && n == 1 && wi == 0 && k <= GEMVP_MAXK;
     if let (Some(p), Some(f)) = (kernels.gemvp.as_ref(), gemvp_fold) {
-        if inner.opts.gemvp && n == 1 && wi == 0 && k <= GEMVP_MAXK {
+        if staged {
             return Some((p[f], GEMVP_ROWS));
+        }
+    }
+    // and a gate/up pair with SwiGLU, 4 pairs a block
+    if let (Some(p), true) = (kernels.gemvp_swiglu.as_ref(), fold.swiglu()) {
+        if staged && inner.opts.gemvp_swiglu {
+            return Some((p[usize::from(fold == Fold::NormSwiglu)], GEMVP_ROWS));
         }
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;

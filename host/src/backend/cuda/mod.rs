@@ -102,6 +102,12 @@ pub struct CudaOptions {
     /// Which of those take the wide blocks, by fold (bit 0 plain, 1 RMSNorm, 2 residual add):
     /// `DEEPINFER_CUDA_GEMVPW=norm` / `add` for one kind only, all by default.
     pub gemvp_wide_folds: u8,
+    /// One-token gate/up GEMVs with SwiGLU folded in over rows of 2048 take the staged kernels
+    /// too (`gemvps*`, 4 gate/up row pairs a block in 41 KB of shared memory: 5 blocks an SM,
+    /// 160 KB asked for), where the block GEMVs hold 16 KB a block in flight at 64 registers a
+    /// thread (4 blocks an SM, 64 KB). Not yet measured on a GPU, so off by default
+    /// (`DEEPINFER_CUDA_GEMVPS=1` turns it on; doc/benchmarks.md, session 41).
+    pub gemvp_swiglu: bool,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -387,6 +393,7 @@ impl Default for CudaOptions {
             gemvp: true,
             gemvp_wide: true,
             gemvp_wide_folds: 0b111,
+            gemvp_swiglu: false,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -509,6 +516,7 @@ impl CudaOptions {
             *into = parse_switch(k, std::env::var(k).ok().as_deref(), *into)?;
             Ok(())
         };
+        switch("DEEPINFER_CUDA_GEMVPS", &mut o.gemvp_swiglu)?;
         switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
         switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
         switch("DEEPINFER_CUDA_MOE_SPLITK", &mut o.moe_splitk)?;

@@ -354,6 +354,9 @@ pub struct ActKernels {
     /// The same with [`GEMVP_WIDE_ROWS`] rows a block in [`GEMVP_WIDE_SMEM`] bytes of dynamic
     /// shared memory (`gemvp*_bf16w_n1_r32`); None where the device has less.
     pub gemvp_wide: Option<[KernelId; 3]>,
+    /// The staged one-token gate/up GEMVs with SwiGLU folded in (`gemvps_bf16w_n1_r8`), and
+    /// with the RMSNorm before them too (`gemvpns_bf16w_n1_r8`): 4 gate/up row pairs a block.
+    pub gemvp_swiglu: Option<[KernelId; 2]>,
     pub argmax: KernelId,
     pub topk: KernelId,
 }
@@ -675,6 +678,11 @@ impl Module {
                         n("gemvpn_bf16w_n1_r8")?,
                         n("gemvpa_bf16w_n1_r8")?,
                     ])
+                } else {
+                    None
+                },
+                gemvp_swiglu: if s == "bf16" {
+                    Some([n("gemvps_bf16w_n1_r8")?, n("gemvpns_bf16w_n1_r8")?])
                 } else {
                     None
                 },
@@ -1024,6 +1032,7 @@ mod tests {
             "gemvba_bf16w_n1_r2u4_bf16",
             "gemvpn_bf16w_n1_r8_bf16",
             "gemvpa_bf16w_n1_r32_bf16",
+            "gemvpns_bf16w_n1_r8_bf16",
             "attn_prefill_d128_f32",
             "attn_prefill3_d128_bf16",
             "attn_decode_d64_g4_bf16",
