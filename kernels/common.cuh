@@ -472,6 +472,18 @@ __device__ __forceinline__ float4 cluster_ld4(u32 a, u32 rank) {
 #define DI_TRACE_PHASES 8
 #define DI_TRACE_WORDS (6 + 2 * DI_TRACE_PHASES)
 __device__ u64 di_trace[DI_TRACE_SLOTS * DI_TRACE_WORDS];
+// DI_TRACE_BLOCKS (implies DI_TRACE_ALL): each of a launch's first DI_TRACE_BLOCK_MAX blocks
+// also keeps its own stamps, by the launch's record: the low 32 bits of its trigger, wait and
+// phase times and its SM + 1 (plain stores, nothing waited for), so a late phase can be put on
+// the blocks and SMs that reached it late (the host writes them to FILE.blocks)
+#ifdef DI_TRACE_BLOCKS
+#ifndef DI_TRACE_ALL
+#define DI_TRACE_ALL
+#endif
+#define DI_TRACE_BLOCK_MAX 256
+#define DI_TRACE_BLOCK_WORDS (3 + DI_TRACE_PHASES)
+__device__ u32 di_trace_blocks[DI_TRACE_SLOTS * DI_TRACE_BLOCK_MAX * DI_TRACE_BLOCK_WORDS];
+#endif
 // field 0: trigger, 1: wait, 2 + k: phase k
 __device__ __forceinline__ void di_trace_stamp_at(int field, u64 t) {
     if (threadIdx.x | threadIdx.y | threadIdx.z) return;
@@ -510,6 +522,16 @@ __device__ __forceinline__ void di_trace_stamp_at(int field, u64 t) {
         }
         if (r == nullptr) return;
     }
+#ifdef DI_TRACE_BLOCKS
+    const u64 blk = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+    if (blk < DI_TRACE_BLOCK_MAX) {
+        u32* e = di_trace_blocks + ((u64)di_trace_slot * DI_TRACE_BLOCK_MAX + blk) * DI_TRACE_BLOCK_WORDS;
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        e[field] = (u32)t;
+        e[DI_TRACE_BLOCK_WORDS - 1] = sm + 1;
+    }
+#endif
     if (field < 2) {
         atomicMax(r + 2 + 2 * field, ~t);
         atomicMax(r + 3 + 2 * field, t);

@@ -853,7 +853,7 @@ impl CudaBackend {
         queue.fk1_l2 = opts.moe_ffn1 && opts.moe_splitk && opts.fk1_l2;
         queue.ffn1_next_l2 = opts.moe_ffn1 && opts.ffn1_next_l2;
         if let (Some(path), Some(table)) = (trace::requested(), module.trace_table) {
-            queue.tracer = Some(trace::Tracer::new(path, table)?);
+            queue.tracer = Some(trace::Tracer::new(path, table)?.with_blocks(module.trace_blocks)?);
         }
         let blas = Blas::new(&ctx, &stream)?;
         let name = format!(

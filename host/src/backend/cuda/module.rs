@@ -479,6 +479,8 @@ pub struct Module {
     /// The trace table (`di_trace`: address, bytes) of a module compiled for tracing
     /// (`trace::requested`).
     pub trace_table: Option<(u64, usize)>,
+    /// Its per-block stamps (`di_trace_blocks`), in kernels compiled with `DI_TRACE_BLOCKS`.
+    pub trace_blocks: Option<(u64, usize)>,
     /// Launch with programmatic stream serialization (Hopper and later; see `pdl_wait` in
     /// `kernels/common.cuh`).
     pub pdl: bool,
@@ -566,7 +568,7 @@ impl Module {
             .attribute(sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| cuda_err("reading the multiprocessor count", e))?
             .max(1) as usize;
-        let trace_table = match super::trace::requested() {
+        let (trace_table, trace_blocks) = match super::trace::requested() {
             Some(_) => {
                 let stream = ctx.default_stream();
                 let table = module
@@ -574,9 +576,20 @@ impl Module {
                     .map_err(|e| cuda_err("finding the trace table", e))?;
                 let bytes = table.len();
                 let (ptr, _sync) = table.device_ptr(&stream);
-                Some((ptr, bytes))
+                // only where DI_TRACE_BLOCKS is among the kernels' defines
+                let blocks = kernel_defines()?
+                    .iter()
+                    .any(|(n, _)| n == "DI_TRACE_BLOCKS")
+                    .then(|| {
+                        module
+                            .get_global("di_trace_blocks", &stream)
+                            .map(|t| (t.device_ptr(&stream).0, t.len()))
+                            .map_err(|e| cuda_err("finding the per-block trace table", e))
+                    })
+                    .transpose()?;
+                (Some((ptr, bytes)), blocks)
             }
-            None => None,
+            None => (None, None),
         };
         let mut funcs = Vec::new();
         let mut names = Vec::new();
@@ -891,6 +904,7 @@ impl Module {
             funcs,
             names,
             trace_table,
+            trace_blocks,
             pdl: major >= 9,
             clusters: major >= 9,
             sms,

@@ -30,6 +30,11 @@ pub const WORDS: usize = 6 + 2 * PHASES;
 pub const PHASES: usize = 8;
 /// Passes shorter than this are not counted (uploads, sampling).
 pub const MIN_OPS: usize = 40;
+/// The per-block table of kernels compiled with `DI_TRACE_BLOCKS`: the first
+/// `DI_TRACE_BLOCK_MAX` blocks of each record, `DI_TRACE_BLOCK_WORDS` 32-bit words a block
+/// (the low bits of its trigger, wait and phase times, then its SM + 1).
+pub const BLOCK_MAX: usize = 256;
+pub const BLOCK_WORDS: usize = 3 + PHASES;
 
 /// The file to write, when tracing was asked for.
 pub fn requested() -> Option<String> {
@@ -45,6 +50,8 @@ pub struct Tracer {
     seen: u64,
     /// `di_trace` on the device.
     table: u64,
+    /// `di_trace_blocks` on the device, when the kernels keep it.
+    blocks: Option<u64>,
 }
 
 impl Tracer {
@@ -72,7 +79,25 @@ impl Tracer {
             at,
             seen: 0,
             table,
+            blocks: None,
         })
+    }
+
+    /// The per-block table too (`di_trace_blocks`: address, bytes), whose stamps go to
+    /// FILE.blocks ([`block_report`]).
+    pub fn with_blocks(mut self, blocks: Option<(u64, usize)>) -> Result<Tracer> {
+        if let Some((ptr, bytes)) = blocks {
+            let want = SLOTS * BLOCK_MAX * BLOCK_WORDS * 4;
+            if bytes != want {
+                return Err(Error::Cuda(format!(
+                    "the kernels' per-block trace table is {bytes} bytes, expected {want}: \
+                     DI_TRACE_BLOCK_MAX / DI_TRACE_BLOCK_WORDS in kernels/common.cuh and \
+                     backend/cuda/trace.rs disagree"
+                )));
+            }
+            self.blocks = Some(ptr);
+        }
+        Ok(self)
     }
 
     /// Whether the pass about to run (of `ops` operations) is the one to trace; clears the
@@ -88,6 +113,18 @@ impl Tracer {
         // SAFETY: `table` is the module's `di_trace`, SLOTS * WORDS words long.
         unsafe { result::memset_d8_async(self.table, 0, SLOTS * WORDS * 8, stream.cu_stream()) }
             .map_err(|e| cuda_err("clearing the trace table", e))?;
+        if let Some(b) = self.blocks {
+            // SAFETY: `b` is the module's `di_trace_blocks`, of the size `with_blocks` checked.
+            unsafe {
+                result::memset_d8_async(
+                    b,
+                    0,
+                    SLOTS * BLOCK_MAX * BLOCK_WORDS * 4,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| cuda_err("clearing the per-block trace table", e))?;
+        }
         Ok(true)
     }
 
@@ -104,6 +141,16 @@ impl Tracer {
         let text = report(&words, &names);
         std::fs::write(&self.path, text).map_err(|e| Error::io(&self.path, e))?;
         tracing::info!("kernel trace written to {}", self.path);
+        if let Some(b) = self.blocks {
+            let mut stamps = vec![0u32; SLOTS * BLOCK_MAX * BLOCK_WORDS];
+            // SAFETY: the table holds that many words; the stream is idle.
+            unsafe { result::memcpy_dtoh_sync(&mut stamps, b) }
+                .map_err(|e| cuda_err("reading the per-block trace table", e))?;
+            let path = format!("{}.blocks", self.path);
+            std::fs::write(&path, block_report(&words, &stamps, &names))
+                .map_err(|e| Error::io(&path, e))?;
+            tracing::info!("per-block trace written to {path}");
+        }
         Ok(())
     }
 }
@@ -137,27 +184,72 @@ struct Rec {
     phases_first: [Option<u64>; PHASES],
 }
 
-/// The report of a table (`words`) for the pass's kernels in launch order (`names`).
-fn report(words: &[u64], names: &[&str]) -> String {
-    let mut recs: Vec<Rec> = words
+/// The table's records (`words`) in launch order, each with its slot.
+fn launches(words: &[u64]) -> Vec<(usize, Rec)> {
+    let mut recs: Vec<(usize, Rec)> = words
         .chunks_exact(WORDS)
-        .filter(|r| r[0] != 0)
-        .map(|r| Rec {
-            key: r[0],
-            blocks: r[1] >> 32,
-            threads: r[1] & 0xffff_ffff,
-            start: !r[2],
-            start_last: r[3],
-            wait: (r[4] != 0).then_some(!r[4]),
-            wait_last: r[5],
-            phases: std::array::from_fn(|k| r[6 + k]),
-            phases_first: std::array::from_fn(|k| {
-                let w = r[6 + PHASES + k];
-                (w != 0).then_some(!w)
-            }),
+        .enumerate()
+        .filter(|(_, r)| r[0] != 0)
+        .map(|(slot, r)| {
+            (
+                slot,
+                Rec {
+                    key: r[0],
+                    blocks: r[1] >> 32,
+                    threads: r[1] & 0xffff_ffff,
+                    start: !r[2],
+                    start_last: r[3],
+                    wait: (r[4] != 0).then_some(!r[4]),
+                    wait_last: r[5],
+                    phases: std::array::from_fn(|k| r[6 + k]),
+                    phases_first: std::array::from_fn(|k| {
+                        let w = r[6 + PHASES + k];
+                        (w != 0).then_some(!w)
+                    }),
+                },
+            )
         })
         .collect();
-    recs.sort_by_key(|r| r.key);
+    recs.sort_by_key(|(_, r)| r.key);
+    recs
+}
+
+/// The per-block stamps (`stamps`, the `di_trace_blocks` table) of the pass's launches:
+/// one line a block that stamped, in launch order, its trigger, wait and phases in µs after
+/// the launch's first wait (its first trigger where none waited), from the times' low 32
+/// bits (a pass is far shorter than their 4.29 s wrap).
+fn block_report(words: &[u64], stamps: &[u32], names: &[&str]) -> String {
+    let mut out = String::from(
+        "# launch kernel block sm trigger_us wait_us p0..p7_us (- where not stamped)\n",
+    );
+    for (i, (slot, r)) in launches(words).iter().enumerate() {
+        let name = names.get(i).copied().unwrap_or("?");
+        let mark = r.wait.unwrap_or(r.start) as u32;
+        for b in 0..(r.blocks as usize).min(BLOCK_MAX) {
+            let at = (slot * BLOCK_MAX + b) * BLOCK_WORDS;
+            let Some(e) = stamps.get(at..at + BLOCK_WORDS) else {
+                break;
+            };
+            if e[BLOCK_WORDS - 1] == 0 {
+                continue;
+            }
+            let _ = write!(out, "{i} {name} {b} {}", e[BLOCK_WORDS - 1] - 1);
+            for &t in &e[..BLOCK_WORDS - 1] {
+                if t == 0 {
+                    out.push_str(" -");
+                } else {
+                    let _ = write!(out, " {:.2}", t.wrapping_sub(mark) as i32 as f64 / 1e3);
+                }
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The report of a table (`words`) for the pass's kernels in launch order (`names`).
+fn report(words: &[u64], names: &[&str]) -> String {
+    let recs: Vec<Rec> = launches(words).into_iter().map(|(_, r)| r).collect();
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -261,6 +353,35 @@ mod tests {
     }
 
     #[test]
+    fn block_stamps_are_listed_by_launch_block_and_sm_after_the_first_wait() {
+        let mut words = vec![0u64; SLOTS * WORDS];
+        // launched second (larger key) but in the lower slot, and launched first
+        rec(&mut words, 3, 20, 5_000, Some(6_000));
+        rec(&mut words, 9, 10, 1_000, None);
+        let mut stamps = vec![0u32; SLOTS * BLOCK_MAX * BLOCK_WORDS];
+        let set = |stamps: &mut [u32], slot: usize, b: usize, field: usize, v: u32| {
+            stamps[(slot * BLOCK_MAX + b) * BLOCK_WORDS + field] = v;
+        };
+        // slot 3 (launch 1), block 2 on SM 7: waited at the mark, phase 1 2.5 µs later
+        set(&mut stamps, 3, 2, 1, 6_000);
+        set(&mut stamps, 3, 2, 3, 8_500);
+        set(&mut stamps, 3, 2, BLOCK_WORDS - 1, 8);
+        // slot 9 (launch 0, no wait: times after its start), block 0 on SM 0, triggered 0.25
+        // µs after; block 1 never stamped
+        set(&mut stamps, 9, 0, 0, 1_250);
+        set(&mut stamps, 9, 0, BLOCK_WORDS - 1, 1);
+        let text = block_report(&words, &stamps, &["first", "second"]);
+        let lines: Vec<&str> = text.lines().skip(1).collect();
+        assert_eq!(
+            lines,
+            [
+                "0 first 0 0 0.25 - - - - - - - - -",
+                "1 second 2 7 - 0.00 - 2.50 - - - - - -"
+            ]
+        );
+    }
+
+    #[test]
     fn shares_are_gaps_between_first_waits_in_launch_order() {
         let mut w = vec![0u64; 8 * WORDS];
         // launched in key order 5, 6, 7 (slots out of order)
@@ -324,6 +445,12 @@ mod tests {
             .unwrap();
         assert!(e.to_string().contains("DI_TRACE_WORDS"), "{e}");
         assert!(Tracer::new("t.txt".into(), (0, SLOTS * WORDS * 8)).is_ok());
+        let t = Tracer::new("t.txt".into(), (0, SLOTS * WORDS * 8)).unwrap();
+        let e = t
+            .with_blocks(Some((0, 12)))
+            .err()
+            .expect("a per-block table of 12 bytes");
+        assert!(e.to_string().contains("DI_TRACE_BLOCK_MAX"), "{e}");
     }
 
     #[test]
