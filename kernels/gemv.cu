@@ -395,8 +395,8 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
         long mj;
         constexpr int P = GEMVP_ROWS / 2;
         const long pr = (long)blockIdx.x * P + warp % P;
-        const long g = SWIGLU ? pr + (warp < P ? 0 : m0) : (long)blockIdx.x * R + warp * RPW + j;
-        ok[j] = gemv_seg(g, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j], rr[j], mj) &&
+        const long row = SWIGLU ? pr + (warp < P ? 0 : m0) : (long)blockIdx.x * R + warp * RPW + j;
+        ok[j] = gemv_seg(row, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j], rr[j], mj) &&
                 (!SWIGLU || (m1 == m0 && pr < m0));
         wr[j] += rr[j] * row_bytes;
         for (int c = lane; c < nch; c += 32)

@@ -169,23 +169,19 @@ fn block_kernel(
     if !(inner.opts.gemvb && k.is_multiple_of(8) && k >= 2048) {
         return None;
     }
-    // one token over bf16 rows of at most GEMVP_MAXK: the shared-memory kernels, by fold
-    let gemvp_fold = match fold {
-        Fold::Plain => Some(0),
-        Fold::Norm => Some(1),
-        Fold::Acc => Some(2),
-        Fold::Swiglu | Fold::NormSwiglu => None,
-    };
-    let staged = inner.opts.gemvp && n == 1 && wi == 0 && k <= GEMVP_MAXK;
-    if let (Some(p), Some(f)) = (kernels.gemvp.as_ref(), gemvp_fold) {
-        if staged {
-            return Some((p[f], GEMVP_ROWS));
-        }
-    }
-    // and a gate/up pair with SwiGLU, 4 pairs a block
-    if let (Some(p), true) = (kernels.gemvp_swiglu.as_ref(), fold.swiglu()) {
-        if staged && inner.opts.gemvp_swiglu {
-            return Some((p[usize::from(fold == Fold::NormSwiglu)], GEMVP_ROWS));
+    // one token over bf16 rows of at most GEMVP_MAXK: the shared-memory kernels, by fold (a
+    // gate/up pair with SwiGLU, 4 pairs a block, where that option is on)
+    if inner.opts.gemvp && n == 1 && wi == 0 && k <= GEMVP_MAXK {
+        let sw = kernels.gemvp_swiglu.filter(|_| inner.opts.gemvp_swiglu);
+        let staged = match fold {
+            Fold::Plain => kernels.gemvp.map(|p| p[0]),
+            Fold::Norm => kernels.gemvp.map(|p| p[1]),
+            Fold::Acc => kernels.gemvp.map(|p| p[2]),
+            Fold::Swiglu => sw.map(|p| p[0]),
+            Fold::NormSwiglu => sw.map(|p| p[1]),
+        };
+        if let Some(id) = staged {
+            return Some((id, GEMVP_ROWS));
         }
     }
     let ni = GEMVB_TOKENS.iter().position(|&t| t >= n)?;

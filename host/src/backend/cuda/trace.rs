@@ -35,6 +35,8 @@ pub const MIN_OPS: usize = 40;
 /// (the low bits of its trigger, wait and phase times, then its SM + 1).
 pub const BLOCK_MAX: usize = 256;
 pub const BLOCK_WORDS: usize = 3 + PHASES;
+/// 32-bit words of that table.
+const BLOCK_TABLE_WORDS: usize = SLOTS * BLOCK_MAX * BLOCK_WORDS;
 
 /// The file to write, when tracing was asked for.
 pub fn requested() -> Option<String> {
@@ -87,7 +89,7 @@ impl Tracer {
     /// FILE.blocks ([`block_report`]).
     pub fn with_blocks(mut self, blocks: Option<(u64, usize)>) -> Result<Tracer> {
         if let Some((ptr, bytes)) = blocks {
-            let want = SLOTS * BLOCK_MAX * BLOCK_WORDS * 4;
+            let want = BLOCK_TABLE_WORDS * 4;
             if bytes != want {
                 return Err(Error::Cuda(format!(
                     "the kernels' per-block trace table is {bytes} bytes, expected {want}: \
@@ -115,15 +117,8 @@ impl Tracer {
             .map_err(|e| cuda_err("clearing the trace table", e))?;
         if let Some(b) = self.blocks {
             // SAFETY: `b` is the module's `di_trace_blocks`, of the size `with_blocks` checked.
-            unsafe {
-                result::memset_d8_async(
-                    b,
-                    0,
-                    SLOTS * BLOCK_MAX * BLOCK_WORDS * 4,
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(|e| cuda_err("clearing the per-block trace table", e))?;
+            unsafe { result::memset_d8_async(b, 0, BLOCK_TABLE_WORDS * 4, stream.cu_stream()) }
+                .map_err(|e| cuda_err("clearing the per-block trace table", e))?;
         }
         Ok(true)
     }
@@ -142,7 +137,7 @@ impl Tracer {
         std::fs::write(&self.path, text).map_err(|e| Error::io(&self.path, e))?;
         tracing::info!("kernel trace written to {}", self.path);
         if let Some(b) = self.blocks {
-            let mut stamps = vec![0u32; SLOTS * BLOCK_MAX * BLOCK_WORDS];
+            let mut stamps = vec![0u32; BLOCK_TABLE_WORDS];
             // SAFETY: the table holds that many words; the stream is idle.
             unsafe { result::memcpy_dtoh_sync(&mut stamps, b) }
                 .map_err(|e| cuda_err("reading the per-block trace table", e))?;
@@ -358,7 +353,7 @@ mod tests {
         // launched second (larger key) but in the lower slot, and launched first
         rec(&mut words, 3, 20, 5_000, Some(6_000));
         rec(&mut words, 9, 10, 1_000, None);
-        let mut stamps = vec![0u32; SLOTS * BLOCK_MAX * BLOCK_WORDS];
+        let mut stamps = vec![0u32; BLOCK_TABLE_WORDS];
         let set = |stamps: &mut [u32], slot: usize, b: usize, field: usize, v: u32| {
             stamps[(slot * BLOCK_MAX + b) * BLOCK_WORDS + field] = v;
         };
