@@ -120,6 +120,67 @@ fn shape_contradicting_metadata_is_named() {
 }
 
 #[test]
+fn layer_count_past_the_ceiling_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    for n in [u32::MAX, 1 << 31, 1025] {
+        let p = write_tiny(dir.path(), "b.gguf", |m, _| {
+            let v = m
+                .iter_mut()
+                .find(|(k, _)| k == "llama.block_count")
+                .unwrap();
+            v.1 = MetaValue::U32(n);
+        });
+        let e = load_err(&p).to_string();
+        assert!(
+            e.contains("llama.block_count") && e.contains("1024"),
+            "{n}: {e}"
+        );
+    }
+    // Within the ceiling but past the file's blocks: the first missing tensor is named.
+    let p = write_tiny(dir.path(), "c.gguf", |m, _| {
+        let v = m
+            .iter_mut()
+            .find(|(k, _)| k == "llama.block_count")
+            .unwrap();
+        v.1 = MetaValue::U32(40);
+    });
+    let e = load_err(&p);
+    assert!(
+        matches!(&e, Error::MissingTensor(n) if n.starts_with("blk.")),
+        "{e}"
+    );
+}
+
+/// Every integer and float of the tiny model's metadata set to each extreme: the load either
+/// succeeds or gives an error; it never panics or aborts (a layer count of 2^32 - 1 once sized
+/// a table before any tensor was looked at).
+#[test]
+fn every_metadata_number_at_its_extremes_is_an_error_or_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let (meta, _) = TinyLlama::default().build();
+    let mut tried = 0;
+    for (i, (key, v)) in meta.iter().enumerate() {
+        let extremes: Vec<MetaValue> = match v {
+            MetaValue::U32(_) => [0, 1, 1 << 31, u32::MAX].map(MetaValue::U32).to_vec(),
+            MetaValue::U64(_) => [0, 1, 1 << 63, u64::MAX].map(MetaValue::U64).to_vec(),
+            MetaValue::I32(_) => [i32::MIN, -1, 0, i32::MAX].map(MetaValue::I32).to_vec(),
+            MetaValue::F32(_) => [0.0, -1.0, f32::NAN, f32::INFINITY, 1e30]
+                .map(MetaValue::F32)
+                .to_vec(),
+            _ => continue,
+        };
+        for x in extremes {
+            let p = write_tiny(dir.path(), "x.gguf", |m, _| m[i].1 = x.clone());
+            if let Err(e) = common::load_cpu(&p) {
+                assert!(!e.to_string().is_empty(), "{key} = {x:?}");
+            }
+            tried += 1;
+        }
+    }
+    assert!(tried >= 20, "only {tried} values tried");
+}
+
+#[test]
 fn unknown_architecture_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_tiny(dir.path(), "a.gguf", |m, _| {
@@ -180,6 +241,33 @@ fn cli_reports_a_corrupt_model_without_panicking() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("truncated"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn cli_refuses_a_thread_count_past_the_ceiling() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_tiny(dir.path(), "t.gguf", |_, _| {});
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "generate",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            "--threads",
+            "100000",
+            "--model",
+        ])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("100000 CPU threads") && stderr.contains("1024"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 

@@ -394,6 +394,72 @@ fn routing_settings_out_of_range_are_rejected() {
 }
 
 #[test]
+fn layer_counts_no_checkpoint_backs_are_refused() {
+    for n in [
+        serde_json::json!(1_000_000_000u64),
+        serde_json::json!(u64::MAX),
+    ] {
+        let e = open_err("qlora_group", |d| {
+            edit_config(d, |c| c["num_hidden_layers"] = n.clone())
+        });
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("1024"),
+            "{n}: {e}"
+        );
+    }
+    let e = open_err("qlora_group", |d| {
+        edit_config(d, |c| c["num_hidden_layers"] = 5.into())
+    });
+    assert!(e.contains("model.layers."), "{e}");
+}
+
+/// Every number of a tiny checkpoint's config.json (rope_scaling's included) set to each
+/// extreme: the load either succeeds or gives an error; it never panics or aborts.
+#[test]
+fn every_config_number_at_its_extremes_is_an_error_or_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_fixture("qlora_group", dir.path());
+    let path = dir.path().join("config.json");
+    let original = std::fs::read_to_string(&path).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&original).unwrap();
+    let mut places: Vec<Vec<String>> = Vec::new();
+    for (k, v) in cfg.as_object().unwrap() {
+        if v.is_number() {
+            places.push(vec![k.clone()]);
+        }
+        if let Some(o) = v.as_object() {
+            places.extend(
+                o.iter()
+                    .filter(|(_, x)| x.is_number())
+                    .map(|(j, _)| vec![k.clone(), j.clone()]),
+            );
+        }
+    }
+    let extremes = [
+        serde_json::json!(0),
+        serde_json::json!(-1),
+        serde_json::json!(1u64 << 31),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(1e300),
+        serde_json::json!(0.5),
+    ];
+    for place in &places {
+        for x in &extremes {
+            let mut c = cfg.clone();
+            let slot = place.iter().fold(&mut c, |v, k| &mut v[k.as_str()]);
+            *slot = x.clone();
+            std::fs::write(&path, c.to_string()).unwrap();
+            let cpu = deepinfer::backend::Device::Cpu { threads: 1 };
+            if let Err(e) = deepinfer::model::load(dir.path(), cpu) {
+                assert!(!e.to_string().is_empty(), "{place:?} = {x}");
+            }
+        }
+    }
+    assert!(places.len() >= 20, "only {} numbers found", places.len());
+    std::fs::write(&path, original).unwrap();
+}
+
+#[test]
 fn corrupt_safetensors_is_an_error_not_a_panic() {
     let e = open_err("qlora_group", |d| {
         let p = d.join("model.safetensors");

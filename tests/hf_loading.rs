@@ -179,4 +179,20 @@ fn hf_config_errors_name_the_key() {
     .unwrap();
     let e = common::load_cpu(dir.path()).unwrap_err().to_string();
     assert!(e.contains("gpt-neo"), "{e}");
+    // A layer count no file could back is refused before any per-layer table is sized by it.
+    for n in ["1000000000", "18446744073709551615"] {
+        std::fs::write(
+            dir.path().join("config.json"),
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                    "num_hidden_layers": {n}, "intermediate_size": 128, "vocab_size": 32}}"#
+            ),
+        )
+        .unwrap();
+        let e = common::load_cpu(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("num_hidden_layers") && e.contains("1024"),
+            "{n}: {e}"
+        );
+    }
 }

@@ -229,3 +229,31 @@ fn chat_text_output_prints_the_answer_not_the_template() {
     ]);
     assert!(String::from_utf8_lossy(&plain.stdout).starts_with(question));
 }
+
+#[test]
+fn make_tiny_refuses_an_over_wide_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["dev", "make-tiny", "--q-lora-rank", "100000000", "--out"])
+        .arg(dir.path().join("t"))
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--q-lora-rank 100000000"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn eval_refuses_more_samples_than_a_run_takes() {
+    for (flag, value) in [("-k", "100000000000"), ("--questions", "100000000000")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+            .args(["eval", "generate", flag, value, "-o", "/dev/null"])
+            .output()
+            .expect("runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains("100000000000"), "{flag}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}

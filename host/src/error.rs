@@ -41,6 +41,9 @@ pub enum Error {
     #[error("invalid model config: {0}")]
     BadConfig(String),
 
+    #[error("device: {0}")]
+    BadDevice(String),
+
     #[error("config file {path}: {message}")]
     Config { path: PathBuf, message: String },
 

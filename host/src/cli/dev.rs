@@ -100,6 +100,14 @@ fn make_tiny(a: MakeTinyArgs) -> anyhow::Result<()> {
     if a.arch != "deepseek_v3" {
         bail!("--arch {}: only deepseek_v3 is supported", a.arch);
     }
+    // A tiny checkpoint's width is 64; a rank past this is a typo that would fill the memory.
+    const MAX_TINY_RANK: usize = 1024;
+    if a.q_lora_rank > MAX_TINY_RANK {
+        bail!(
+            "--q-lora-rank {}: at most {MAX_TINY_RANK} for a tiny checkpoint",
+            a.q_lora_rank
+        );
+    }
     let block = match a
         .fp8_block
         .split_once('x')

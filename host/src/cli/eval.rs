@@ -93,12 +93,24 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             model,
             threads,
         } => {
+            // Every request is built up front: a typo such as `-k 100000000000` is refused
+            // here, not met by the allocator.
+            const MAX_SAMPLES: usize = 1 << 20;
+            if tasks.is_none() && questions > MAX_SAMPLES {
+                bail!("--questions {questions}: at most {MAX_SAMPLES}");
+            }
             let tasks = match tasks {
                 Some(p) => read_tasks(&p)?,
                 None => arithmetic_tasks(questions, seed),
             };
             if tasks.is_empty() || k == 0 {
                 bail!("nothing to generate: {} tasks, k = {k}", tasks.len());
+            }
+            if tasks.len().saturating_mul(k) > MAX_SAMPLES {
+                bail!(
+                    "{} tasks x k = {k} samples is more than the {MAX_SAMPLES} one run takes",
+                    tasks.len()
+                );
             }
             let path = resolve_model(model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
             let loaded = crate::model::load(&path, device(threads))?;
@@ -126,7 +138,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
                         SamplingParams {
                             temperature,
                             max_tokens,
-                            seed: Some(seed + (i * k + j) as u64),
+                            seed: Some(seed.wrapping_add((i * k + j) as u64)),
                             ..Default::default()
                         },
                     ));

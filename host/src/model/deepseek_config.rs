@@ -4,7 +4,9 @@
 
 use serde_json::Value;
 
-use super::hparams::{AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle, Yarn};
+use super::hparams::{
+    check_layer_count, AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle, Yarn,
+};
 use super::moe::{RouterConfig, ScoreFunc};
 use crate::error::{Error, Result};
 
@@ -280,7 +282,10 @@ impl DeepseekV3Config {
             hidden: usize_req(cfg, "hidden_size")?,
             intermediate: usize_req(cfg, "intermediate_size")?,
             moe_intermediate: usize_req(cfg, "moe_intermediate_size")?,
-            n_layers: usize_req(cfg, "num_hidden_layers")?,
+            n_layers: check_layer_count(
+                usize_req(cfg, "num_hidden_layers")?,
+                "config.json: `num_hidden_layers`",
+            )?,
             n_heads,
             q_lora_rank,
             kv_lora_rank: usize_req(cfg, "kv_lora_rank")?,

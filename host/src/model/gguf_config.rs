@@ -2,7 +2,9 @@
 
 use super::arch;
 use super::gguf::GgufFile;
-use super::hparams::{AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle};
+use super::hparams::{
+    check_layer_count, AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle,
+};
 use crate::error::{Error, Result};
 
 /// Builds the [`ModelConfig`] of a GGUF file, refusing architectures this build cannot run.
@@ -13,7 +15,10 @@ pub fn model_config(g: &GgufFile) -> Result<ModelConfig> {
     }
     let key = |k: &str| format!("{arch_name}.{k}");
     let usize_of = |k: &str| -> Result<usize> { Ok(g.u64(&key(k))? as usize) };
-    let n_layers = usize_of("block_count")?;
+    let n_layers = check_layer_count(
+        usize_of("block_count")?,
+        &format!("GGUF metadata `{}`", key("block_count")),
+    )?;
     let hidden = usize_of("embedding_length")?;
     let n_heads = usize_of("attention.head_count")?;
     let n_kv_heads = g

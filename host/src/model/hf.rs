@@ -11,7 +11,9 @@ use serde_json::Value;
 
 use super::arch;
 use super::chat::ChatTemplate;
-use super::hparams::{AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle};
+use super::hparams::{
+    check_layer_count, AttentionKind, LayerSpec, ModelConfig, RopeSpec, RopeStyle,
+};
 use super::tokenizer::Tokenizer;
 use super::{LoadedModel, Naming, WeightSource};
 use crate::error::{Error, Result};
@@ -290,7 +292,10 @@ pub fn model_config(cfg: &Value) -> Result<ModelConfig> {
     let head_dim = field(cfg, "head_dim")
         .and_then(|v| v.as_u64())
         .map_or(hidden / n_heads, |v| v as usize);
-    let n_layers = req_usize(cfg, "num_hidden_layers")?;
+    let n_layers = check_layer_count(
+        req_usize(cfg, "num_hidden_layers")?,
+        "config.json: `num_hidden_layers`",
+    )?;
     let rope_params = field(cfg, "rope_parameters");
     let theta = rope_params
         .and_then(|p| p.get("rope_theta"))

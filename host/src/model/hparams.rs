@@ -40,6 +40,20 @@ pub struct LayerSpec {
     pub rope: RopeSpec,
 }
 
+/// Most decoder layers a model may declare (the deepest published models have ≈ 130), checked
+/// before a per-layer table is sized by a count read from a file.
+pub const MAX_LAYERS: usize = 1024;
+
+/// Refuses a layer count read from a file beyond [`MAX_LAYERS`]; `source` names the field.
+pub fn check_layer_count(n: usize, source: &str) -> Result<usize> {
+    if n > MAX_LAYERS {
+        return Err(Error::BadConfig(format!(
+            "{source}: {n} layers is more than the {MAX_LAYERS} this engine supports"
+        )));
+    }
+    Ok(n)
+}
+
 /// Hyper-parameters shared by the decoder-only architectures.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {

@@ -39,7 +39,22 @@ pub struct CpuBackend {
     precision: ActPrecision,
 }
 
+/// Most compute threads a CPU backend runs (a count past it is a typo, and spawning it would
+/// exhaust the process's memory for thread stacks).
+pub const MAX_THREADS: usize = 1024;
+
 impl CpuBackend {
+    /// A backend of `threads` compute threads (0 is taken as 1), refusing more than
+    /// [`MAX_THREADS`].
+    pub fn try_new(threads: usize) -> crate::error::Result<CpuBackend> {
+        if threads > MAX_THREADS {
+            return Err(crate::error::Error::BadDevice(format!(
+                "{threads} CPU threads asked for (--threads or [model] threads); at most {MAX_THREADS}"
+            )));
+        }
+        Ok(CpuBackend::new(threads))
+    }
+
     pub fn new(threads: usize) -> CpuBackend {
         CpuBackend {
             pool: Arc::new(ThreadPool::new(threads.max(1))),

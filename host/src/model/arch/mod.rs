@@ -19,7 +19,7 @@ pub fn build(
     device: Device,
 ) -> Result<Box<dyn CausalLm>> {
     match device {
-        Device::Cpu { threads } => build_on(cfg, src, CpuBackend::new(threads)),
+        Device::Cpu { threads } => build_on(cfg, src, CpuBackend::try_new(threads)?),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             use crate::backend::cuda::{CudaBackend, CudaOptions};
@@ -58,7 +58,7 @@ pub fn build_deepseek_v3(
         Device::Cpu { threads } => Ok(Box::new(DeepseekV3::load(
             cfg,
             src,
-            CpuBackend::new(threads),
+            CpuBackend::try_new(threads)?,
         )?)),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
