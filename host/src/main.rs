@@ -4,7 +4,7 @@ fn main() -> std::process::ExitCode {
     match deepinfer::cli::main() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", deepinfer::cli::error_chain(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -21,18 +21,25 @@ pub struct JsonlOut {
 }
 
 impl JsonlOut {
-    /// Opens `path`: truncated when `overwrite`, otherwise continued (created if missing).
+    /// Opens `path`: truncated when `overwrite`, otherwise continued (created if missing). A
+    /// path that is not a regular file (`/dev/stdout`, a pipe, a device) is only written to:
+    /// there is nothing to resume from it, and reading it could block or never end.
     pub fn open(path: &Path, overwrite: bool) -> anyhow::Result<JsonlOut> {
-        let done = if overwrite || !path.exists() {
+        let regular = match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => bail!("{} is a folder, not a file", path.display()),
+            Ok(m) => m.is_file(),
+            Err(_) => true, // created below
+        };
+        let done = if overwrite || !regular || !path.exists() {
             HashSet::new()
         } else {
             repair(path)?
         };
         let file = OpenOptions::new()
             .create(true)
-            .append(!overwrite)
+            .append(!overwrite || !regular)
             .write(true)
-            .truncate(overwrite)
+            .truncate(overwrite && regular)
             .open(path)
             .with_context(|| format!("opening {}", path.display()))?;
         Ok(JsonlOut {
@@ -130,5 +137,21 @@ mod tests {
         let out = JsonlOut::open(&p, true).unwrap();
         assert!(out.done.is_empty());
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "");
+    }
+
+    #[test]
+    fn devices_are_written_not_resumed_and_a_failed_write_is_an_error() {
+        // /dev/null reads as empty and /dev/full as endless zeros: neither is read back.
+        let mut out = JsonlOut::open(Path::new("/dev/null"), false).unwrap();
+        assert!(out.done.is_empty());
+        out.write(&serde_json::json!({"id": "a"})).unwrap();
+        let mut full = JsonlOut::open(Path::new("/dev/full"), false).unwrap();
+        let e = full.write(&serde_json::json!({"id": "a"})).unwrap_err();
+        assert!(format!("{e:#}").contains("/dev/full"), "{e:#}");
+        let dir = tempfile::tempdir().unwrap();
+        let e = JsonlOut::open(dir.path(), false)
+            .err()
+            .expect("a folder is refused");
+        assert!(e.to_string().contains("folder"), "{e}");
     }
 }

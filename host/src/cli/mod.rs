@@ -38,6 +38,22 @@ pub enum Command {
     Dev(dev::DevArgs),
 }
 
+/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
+/// message before it already ends with (errors that print their source themselves).
+pub fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
 /// Parses the command line and runs the subcommand.
 pub fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -55,5 +71,20 @@ pub fn main() -> anyhow::Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Plugins(args) => plugins::run(args),
         Command::Dev(args) => dev::run(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(crate::Error::io("/x/model", io)).context("loading the model");
+        assert_eq!(
+            super::error_chain(&e),
+            "loading the model: i/o error on /x/model: no such file"
+        );
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(super::error_chain(&e), "outer: middle: inner");
     }
 }
