@@ -98,6 +98,38 @@ pub fn id_string(v: &serde_json::Value) -> String {
 
 /// Reads every request of `path`; lines without an id get `first_id + their position`
 /// among the requests. Blank lines are skipped; errors name the file and line.
+/// The longest request line read (a larger one is refused before it fills the memory, as a
+/// file with no newline, or `/dev/zero`, would).
+const MAX_LINE_BYTES: usize = 256 << 20;
+
+/// Lines of a reader, each at most `max` bytes (without its newline).
+struct BoundedLines<R> {
+    reader: R,
+    max: usize,
+}
+
+impl<R: std::io::BufRead> BoundedLines<R> {
+    fn next_line(&mut self) -> anyhow::Result<Option<String>> {
+        let mut buf = Vec::new();
+        let limit = self.max as u64 + 1;
+        let got = std::io::Read::take(&mut self.reader, limit).read_until(b'\n', &mut buf)?;
+        if got == 0 {
+            return Ok(None);
+        }
+        if buf.last() == Some(&b'\n') {
+            buf.pop();
+            if buf.last() == Some(&b'\r') {
+                buf.pop();
+            }
+        } else if buf.len() > self.max {
+            bail!("the line is longer than {} MiB", self.max >> 20);
+        }
+        Ok(Some(
+            String::from_utf8(buf).context("the line is not UTF-8")?,
+        ))
+    }
+}
+
 pub fn read_prompts_file(
     path: &Path,
     d: &LineDefaults<'_>,
@@ -105,8 +137,17 @@ pub fn read_prompts_file(
 ) -> anyhow::Result<Vec<Request>> {
     let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
-    for (n, line) in std::io::BufReader::new(f).lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = BoundedLines {
+        reader: std::io::BufReader::new(f),
+        max: MAX_LINE_BYTES,
+    };
+    for n in 0.. {
+        let Some(line) = lines
+            .next_line()
+            .with_context(|| format!("reading {}:{}", path.display(), n + 1))?
+        else {
+            break;
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -167,6 +208,32 @@ pub fn read_prompts_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lines_are_bounded_and_keep_their_text() {
+        let text = b"ab\r\n\ncdef\nghijkl\nxy";
+        let mut l = BoundedLines {
+            reader: &text[..],
+            max: 4,
+        };
+        assert_eq!(l.next_line().unwrap().as_deref(), Some("ab"));
+        assert_eq!(l.next_line().unwrap().as_deref(), Some(""));
+        assert_eq!(l.next_line().unwrap().as_deref(), Some("cdef"));
+        let e = l.next_line().unwrap_err();
+        assert!(e.to_string().contains("longer than"), "{e}");
+        // Endless input without a newline stops at the bound.
+        let mut zero = BoundedLines {
+            reader: std::io::BufReader::new(std::io::repeat(0)),
+            max: 1 << 20,
+        };
+        assert!(zero.next_line().is_err());
+        let mut last = BoundedLines {
+            reader: &b"xy"[..],
+            max: 4,
+        };
+        assert_eq!(last.next_line().unwrap().as_deref(), Some("xy"));
+        assert_eq!(last.next_line().unwrap(), None);
+    }
 
     #[test]
     fn lines_override_defaults_and_errors_name_the_line() {
