@@ -108,6 +108,12 @@ pub struct CudaOptions {
     /// thread (4 blocks an SM, 64 KB). Not yet measured on a GPU, so off by default
     /// (`DEEPINFER_CUDA_GEMVPS=1` turns it on; doc/benchmarks.md, session 41).
     pub gemvp_swiglu: bool,
+    /// The cluster scheduling policy cluster launches ask for (`CU_LAUNCH_ATTRIBUTE_CLUSTER_
+    /// SCHEDULING_POLICY_PREFERENCE`): 0 the driver's default, 1 spread (a cluster's blocks
+    /// on distinct SMs), 2 load balancing (`DEEPINFER_CUDA_CLUSTER_POLICY=default|spread|
+    /// balance`). Session 42's per-block trace put 128 `mla_dec1` blocks on 82 SMs, 38 of them
+    /// holding two, and the clusters with a shared SM merged 1.4 µs later.
+    pub cluster_policy: u8,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -394,6 +400,7 @@ impl Default for CudaOptions {
             gemvp_wide: true,
             gemvp_wide_folds: 0b111,
             gemvp_swiglu: false,
+            cluster_policy: 0,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -517,6 +524,19 @@ impl CudaOptions {
             Ok(())
         };
         switch("DEEPINFER_CUDA_GEMVPS", &mut o.gemvp_swiglu)?;
+        match std::env::var("DEEPINFER_CUDA_CLUSTER_POLICY")
+            .ok()
+            .as_deref()
+        {
+            None | Some("") | Some("default") => {}
+            Some("spread") => o.cluster_policy = 1,
+            Some("balance") => o.cluster_policy = 2,
+            Some(other) => {
+                return Err(Error::BadConfig(format!(
+                    "DEEPINFER_CUDA_CLUSTER_POLICY={other}: expected default, spread or balance"
+                )))
+            }
+        }
         switch("DEEPINFER_CUDA_FFN1_NEXT", &mut o.ffn1_next)?;
         switch("DEEPINFER_CUDA_FFN1_PREV", &mut o.ffn1_prev)?;
         switch("DEEPINFER_CUDA_MOE_SPLITK", &mut o.moe_splitk)?;
@@ -846,6 +866,7 @@ impl CudaBackend {
             .map_err(|e| cuda_err("creating a stream", e))?;
         let mut module = Module::load(&ctx)?;
         module.pdl &= opts.pdl;
+        module.cluster_policy = opts.cluster_policy;
         let mut queue = Queue::new(opts.graphs);
         queue.next_l2 = opts.ds2.next_l2;
         queue.ffn1_next = opts.moe_ffn1 && opts.ffn1_next;

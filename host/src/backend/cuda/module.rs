@@ -486,6 +486,8 @@ pub struct Module {
     pub pdl: bool,
     /// Thread-block clusters (sm_90+).
     pub clusters: bool,
+    /// The scheduling policy cluster launches ask for (`CudaOptions::cluster_policy`).
+    pub cluster_policy: u8,
     /// The device's streaming multiprocessors.
     pub sms: usize,
     pub f32: ActKernels,
@@ -907,6 +909,7 @@ impl Module {
             trace_blocks,
             pdl: major >= 9,
             clusters: major >= 9,
+            cluster_policy: 0,
             sms,
             max_smem,
             f32,

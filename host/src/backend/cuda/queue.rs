@@ -460,8 +460,9 @@ fn launch(
         // SAFETY: all-zero is a valid launch attribute; the ids and values set below select
         // programmatic stream serialization, which every kernel of the module supports
         // (`pdl_wait` in `kernels/common.cuh` before it reads earlier kernels' results), and
-        // the cluster shape the kernel was written for.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        // the cluster shape the kernel was written for, and a cluster scheduling preference
+        // (a hint: the blocks and their shapes are the same whichever policy places them).
+        let mut attrs: [sys::CUlaunchAttribute; 3] = unsafe { std::mem::zeroed() };
         let mut count = 0;
         if pdl {
             attrs[count].id =
@@ -477,6 +478,15 @@ fn launch(
                 z: 1,
             };
             count += 1;
+            if m.cluster_policy != 0 {
+                attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+                attrs[count].value.clusterSchedulingPolicyPreference = if m.cluster_policy == 1 {
+                    sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_SPREAD
+                } else {
+                    sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING
+                };
+                count += 1;
+            }
         }
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid[0],
