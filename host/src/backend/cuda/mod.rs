@@ -105,8 +105,9 @@ pub struct CudaOptions {
     /// One-token gate/up GEMVs with SwiGLU folded in over rows of 2048 take the staged kernels
     /// too (`gemvps*`, 4 gate/up row pairs a block in 41 KB of shared memory: 5 blocks an SM,
     /// 160 KB asked for), where the block GEMVs hold 16 KB a block in flight at 64 registers a
-    /// thread (4 blocks an SM, 64 KB). Not yet measured on a GPU, so off by default
-    /// (`DEEPINFER_CUDA_GEMVPS=1` turns it on; doc/benchmarks.md, session 41).
+    /// thread (4 blocks an SM, 64 KB). Off by default: no faster on an H100 (llama3-1b
+    /// 0.998x, Moonlight within the spread; `DEEPINFER_CUDA_GEMVPS=1` turns it on;
+    /// doc/benchmarks.md, sessions 41–42).
     pub gemvp_swiglu: bool,
     /// The cluster scheduling policy cluster launches ask for (`CU_LAUNCH_ATTRIBUTE_CLUSTER_
     /// SCHEDULING_POLICY_PREFERENCE`): 0 the driver's default, 1 spread (a cluster's blocks
