@@ -112,8 +112,8 @@ pub struct CudaOptions {
     /// The cluster scheduling policy cluster launches ask for (`CU_LAUNCH_ATTRIBUTE_CLUSTER_
     /// SCHEDULING_POLICY_PREFERENCE`): 0 the driver's default, 1 spread (a cluster's blocks
     /// on distinct SMs), 2 load balancing (`DEEPINFER_CUDA_CLUSTER_POLICY=default|spread|
-    /// balance`). Session 42's per-block trace put 128 `mla_dec1` blocks on 82 SMs, 38 of them
-    /// holding two, and the clusters with a shared SM merged 1.4 µs later.
+    /// balance`). Session 42: spread left `mla_dec1`'s placement as it was (its doubled SMs hold
+    /// blocks of two clusters, which a per-cluster preference does not govern), so the default.
     pub cluster_policy: u8,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
