@@ -25,12 +25,13 @@ impl JsonlOut {
     /// path that is not a regular file (`/dev/stdout`, a pipe, a device) is only written to:
     /// there is nothing to resume from it, and reading it could block or never end.
     pub fn open(path: &Path, overwrite: bool) -> anyhow::Result<JsonlOut> {
-        let regular = match std::fs::metadata(path) {
+        // (regular, exists): a missing path is created below as a regular file
+        let (regular, exists) = match std::fs::metadata(path) {
             Ok(m) if m.is_dir() => bail!("{} is a folder, not a file", path.display()),
-            Ok(m) => m.is_file(),
-            Err(_) => true, // created below
+            Ok(m) => (m.is_file(), true),
+            Err(_) => (true, false),
         };
-        let done = if overwrite || !regular || !path.exists() {
+        let done = if overwrite || !regular || !exists {
             HashSet::new()
         } else {
             repair(path)?

@@ -96,8 +96,6 @@ pub fn id_string(v: &serde_json::Value) -> String {
     }
 }
 
-/// Reads every request of `path`; lines without an id get `first_id + their position`
-/// among the requests. Blank lines are skipped; errors name the file and line.
 /// The longest request line read (a larger one is refused before it fills the memory, as a
 /// file with no newline, or `/dev/zero`, would).
 const MAX_LINE_BYTES: usize = 256 << 20;
@@ -130,6 +128,8 @@ impl<R: std::io::BufRead> BoundedLines<R> {
     }
 }
 
+/// Reads every request of `path`; lines without an id get `first_id + their position`
+/// among the requests. Blank lines are skipped; errors name the file and line.
 pub fn read_prompts_file(
     path: &Path,
     d: &LineDefaults<'_>,

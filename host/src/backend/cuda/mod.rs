@@ -26,7 +26,7 @@ mod weights;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::{AttnParams, Backend, KvShape};
 use crate::error::{Error, Result};
@@ -110,11 +110,11 @@ pub struct CudaOptions {
     /// doc/benchmarks.md, sessions 41–42).
     pub gemvp_swiglu: bool,
     /// The cluster scheduling policy cluster launches ask for (`CU_LAUNCH_ATTRIBUTE_CLUSTER_
-    /// SCHEDULING_POLICY_PREFERENCE`): 0 the driver's default, 1 spread (a cluster's blocks
-    /// on distinct SMs), 2 load balancing (`DEEPINFER_CUDA_CLUSTER_POLICY=default|spread|
+    /// SCHEDULING_POLICY_PREFERENCE`): none (the driver's default), spread (a cluster's blocks
+    /// on distinct SMs) or load balancing (`DEEPINFER_CUDA_CLUSTER_POLICY=default|spread|
     /// balance`). Session 42: spread left `mla_dec1`'s placement as it was (its doubled SMs hold
     /// blocks of two clusters, which a per-cluster preference does not govern), so the default.
-    pub cluster_policy: u8,
+    pub cluster_policy: Option<sys::CUclusterSchedulingPolicy>,
     /// Query and key RoPE in one launch, and split-KV decode attention merging its own splits
     /// (no combine launch). Off by default: on the H200 it made Llama-3-8B decode steps slower
     /// (batch 1: 4.62 -> 4.69 ms, batch 32: 7.73 -> 7.96 ms).
@@ -401,7 +401,7 @@ impl Default for CudaOptions {
             gemvp_wide: true,
             gemvp_wide_folds: 0b111,
             gemvp_swiglu: false,
-            cluster_policy: 0,
+            cluster_policy: None,
             fuse2: false,
             buckets: true,
             fuse_norm: true,
@@ -530,8 +530,15 @@ impl CudaOptions {
             .as_deref()
         {
             None | Some("") | Some("default") => {}
-            Some("spread") => o.cluster_policy = 1,
-            Some("balance") => o.cluster_policy = 2,
+            Some("spread") => {
+                o.cluster_policy =
+                    Some(sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_SPREAD)
+            }
+            Some("balance") => {
+                o.cluster_policy = Some(
+                    sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING,
+                )
+            }
             Some(other) => {
                 return Err(Error::BadConfig(format!(
                     "DEEPINFER_CUDA_CLUSTER_POLICY={other}: expected default, spread or balance"

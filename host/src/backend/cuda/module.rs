@@ -487,7 +487,7 @@ pub struct Module {
     /// Thread-block clusters (sm_90+).
     pub clusters: bool,
     /// The scheduling policy cluster launches ask for (`CudaOptions::cluster_policy`).
-    pub cluster_policy: u8,
+    pub cluster_policy: Option<sys::CUclusterSchedulingPolicy>,
     /// The device's streaming multiprocessors.
     pub sms: usize,
     pub f32: ActKernels,
@@ -909,7 +909,7 @@ impl Module {
             trace_blocks,
             pdl: major >= 9,
             clusters: major >= 9,
-            cluster_policy: 0,
+            cluster_policy: None,
             sms,
             max_smem,
             f32,

@@ -478,13 +478,9 @@ fn launch(
                 z: 1,
             };
             count += 1;
-            if m.cluster_policy != 0 {
+            if let Some(policy) = m.cluster_policy {
                 attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
-                attrs[count].value.clusterSchedulingPolicyPreference = if m.cluster_policy == 1 {
-                    sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_SPREAD
-                } else {
-                    sys::CUclusterSchedulingPolicy::CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING
-                };
+                attrs[count].value.clusterSchedulingPolicyPreference = policy;
                 count += 1;
             }
         }
