@@ -230,41 +230,27 @@ fn chat_text_output_prints_the_answer_not_the_template() {
     assert!(String::from_utf8_lossy(&plain.stdout).starts_with(question));
 }
 
-/// Runs the binary with `args`, asserting that it fails with an error (not a panic) that
-/// contains `needle`.
-fn refused(args: &[&str], needle: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-        .args(args)
-        .output()
-        .expect("runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} succeeded");
-    assert!(stderr.contains(needle), "{args:?}: {stderr}");
-    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-}
-
 #[test]
 fn make_tiny_refuses_an_over_wide_rank() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("t");
     let out = out.to_str().unwrap();
-    refused(
-        &[
-            "dev",
-            "make-tiny",
-            "--q-lora-rank",
-            "100000000",
-            "--out",
-            out,
-        ],
-        "--q-lora-rank 100000000",
-    );
+    let e = common::refused(&[
+        "dev",
+        "make-tiny",
+        "--q-lora-rank",
+        "100000000",
+        "--out",
+        out,
+    ]);
+    assert!(e.contains("--q-lora-rank 100000000"), "{e}");
 }
 
 #[test]
 fn eval_refuses_more_samples_than_a_run_takes() {
     for flag in ["-k", "--questions"] {
         let args = ["eval", "generate", flag, "100000000000", "-o", "/dev/null"];
-        refused(&args, "100000000000");
+        let e = common::refused(&args);
+        assert!(e.contains("100000000000"), "{flag}: {e}");
     }
 }

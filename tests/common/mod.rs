@@ -19,6 +19,19 @@ pub fn default_model() -> LoadedModel {
     load(&default_model_path(), Device::Cpu { threads: 2 }).expect("the default model loads")
 }
 
+/// Runs the binary with `args`, asserting that it fails with an error rather than a panic;
+/// returns what it printed to stderr.
+pub fn refused<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(args)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "succeeded: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
 pub fn load_cpu(path: &std::path::Path) -> deepinfer::Result<LoadedModel> {
     load(path, Device::Cpu { threads: 2 })
 }
