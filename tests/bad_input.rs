@@ -281,3 +281,50 @@ fn cli_rejects_unknown_prompt_file_keys() {
         "{stderr}"
     );
 }
+
+/// A device or pipe named where a file is read whole or line by line (`/dev/zero` never ends
+/// and has no newline) is refused at a ceiling, not read until the memory runs out.
+#[cfg(unix)]
+#[test]
+fn endless_files_named_by_flags_are_refused_at_a_ceiling() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["generate", "--prompt", "hi", "--config", "/dev/zero"],
+            "longer than 64 MiB",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--json-schema", "/dev/zero"],
+            "longer than 64 MiB",
+        ),
+        (
+            &["generate", "--prompt", "hi", "--grammar", "/dev/zero"],
+            "longer than 64 MiB",
+        ),
+        (
+            &["eval", "score", "/dev/zero"],
+            "line is longer than 256 MiB",
+        ),
+        (
+            &[
+                "eval",
+                "generate",
+                "--tasks",
+                "/dev/zero",
+                "-o",
+                "/dev/null",
+            ],
+            "line is longer than 256 MiB",
+        ),
+        (
+            &["plot", "/dev/zero", "-o", "/dev/null"],
+            "line is longer than 256 MiB",
+        ),
+    ];
+    for (args, want) in cases {
+        let stderr = common::refused(args);
+        assert!(
+            stderr.contains("/dev/zero") && stderr.contains(want),
+            "{args:?}: {stderr}"
+        );
+    }
+}

@@ -126,7 +126,8 @@ impl Config {
     /// Reads and checks a config file. Errors name the file, and the key for unknown keys.
     pub fn load(path: impl AsRef<Path>) -> Result<Config> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::files::read_text_bounded(path, crate::files::TEXT_MAX)
+            .map_err(|e| Error::io(path, e))?;
         Config::from_toml_str(&text, Some(path))
     }
 

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod eval;
+pub mod files;
 pub mod ids;
 pub mod json;
 pub mod kv_cache;

@@ -14,12 +14,14 @@ pub fn read_records(paths: &[impl AsRef<Path>]) -> Result<Vec<BenchRecord>, Stri
     let mut out = Vec::new();
     for p in paths {
         let p = p.as_ref();
-        let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        for (i, line) in text.lines().enumerate() {
+        let lines =
+            crate::files::BoundedLines::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
+        for (i, line) in lines.enumerate() {
+            let line = line.map_err(|e| format!("{}:{}: {e}", p.display(), i + 1))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let r: BenchRecord = serde_json::from_str(line)
+            let r: BenchRecord = serde_json::from_str(&line)
                 .map_err(|e| format!("{}:{}: not a bench record: {e}", p.display(), i + 1))?;
             out.push(r);
         }

@@ -1,6 +1,6 @@
 //! `deepinfer eval generate|score|ppl`: generation writes samples, scoring is a separate step.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -66,14 +66,13 @@ fn device(threads: Option<usize>) -> Device {
     threads.map_or_else(Device::cpu_all, |t| Device::Cpu { threads: t.max(1) })
 }
 
-fn read_tasks(path: &PathBuf) -> anyhow::Result<Vec<Task>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    std::io::BufReader::new(f)
-        .lines()
+fn read_tasks(path: &std::path::Path) -> anyhow::Result<Vec<Task>> {
+    crate::files::BoundedLines::open(path)
+        .with_context(|| format!("opening {}", path.display()))?
         .enumerate()
         .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
         .map(|(i, l)| {
-            let l = l?;
+            let l = l.with_context(|| format!("reading {}:{}", path.display(), i + 1))?;
             serde_json::from_str(&l)
                 .with_context(|| format!("{}:{}: not a task", path.display(), i + 1))
         })
@@ -172,15 +171,14 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             Ok(())
         }
         EvalCommand::Score { samples } => {
-            let text = std::fs::read_to_string(&samples)
-                .with_context(|| format!("reading {}", samples.display()))?;
-            let parsed: Vec<Sample> = text
-                .lines()
+            let parsed: Vec<Sample> = crate::files::BoundedLines::open(&samples)
+                .with_context(|| format!("opening {}", samples.display()))?
                 .enumerate()
-                .filter(|(_, l)| !l.trim().is_empty())
+                .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
                 .map(|(i, l)| {
-                    serde_json::from_str(l)
-                        .with_context(|| format!("{}:{}: not a sample", samples.display(), i + 1))
+                    let at = || format!("{}:{}", samples.display(), i + 1);
+                    let l = l.with_context(|| format!("reading {}", at()))?;
+                    serde_json::from_str(&l).with_context(|| format!("{}: not a sample", at()))
                 })
                 .collect::<anyhow::Result<_>>()?;
             let r = score_samples(&parsed).context("the samples file is empty")?;
@@ -199,7 +197,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
         } => {
             let path = resolve_model(model.as_deref(), &mut |m| eprintln!("deepinfer: {m}"))?;
             let loaded = crate::model::load(&path, device(threads))?;
-            let body = std::fs::read_to_string(&text)
+            let body = crate::files::read_text_bounded(&text, crate::files::ASSET_MAX)
                 .with_context(|| format!("reading {}", text.display()))?;
             let ids = loaded.tokenizer.encode(&body)?;
             let p = perplexity(loaded.model.as_ref(), &ids, window)?;

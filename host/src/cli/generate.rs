@@ -188,7 +188,8 @@ fn engine_options(a: &GenerateArgs) -> EngineOptions {
 /// The constraint the flags give, with the flag that gave it (for messages).
 fn flag_constraint(a: &GenerateArgs) -> anyhow::Result<Option<(Constraint, String)>> {
     let read = |p: &PathBuf| {
-        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        crate::files::read_text_bounded(p, crate::files::TEXT_MAX)
+            .with_context(|| format!("reading {}", p.display()))
     };
     Ok(if let Some(p) = &a.json_schema {
         let c = Constraint::json_schema(read(p)?);

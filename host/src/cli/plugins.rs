@@ -117,7 +117,8 @@ fn source_for(config: &Config, plugin: &str) -> anyhow::Result<PluginSource> {
     {
         return Ok(PluginSource::from_config(config, plugin)?);
     }
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = crate::files::read_bounded(&path, crate::files::ASSET_MAX)
+        .with_context(|| format!("reading {}", path.display()))?;
     Ok(PluginSource {
         name: path
             .file_stem()
@@ -237,7 +238,8 @@ fn check_one(config: &Config, host: &PluginHost, name: &str) -> anyhow::Result<S
 }
 
 fn pack(core: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
-    let bytes = std::fs::read(core).with_context(|| format!("reading {}", core.display()))?;
+    let bytes = crate::files::read_bounded(core, crate::files::ASSET_MAX)
+        .with_context(|| format!("reading {}", core.display()))?;
     let name = core
         .file_stem()
         .map_or_else(|| "plugin".into(), |s| s.to_string_lossy().into_owned());

@@ -3,7 +3,7 @@
 //! sampling fields that override the run's defaults, and at most one structured-output
 //! constraint (`json_schema`, `regex`, `grammar`, `choice`). Parsing only; nothing runs here.
 
-use std::io::BufRead;
+use crate::files::BoundedLines;
 use std::path::Path;
 
 use anyhow::{bail, Context};
@@ -96,38 +96,6 @@ pub fn id_string(v: &serde_json::Value) -> String {
     }
 }
 
-/// The longest request line read (a larger one is refused before it fills the memory, as a
-/// file with no newline, or `/dev/zero`, would).
-const MAX_LINE_BYTES: usize = 256 << 20;
-
-/// Lines of a reader, each at most `max` bytes (without its newline).
-struct BoundedLines<R> {
-    reader: R,
-    max: usize,
-}
-
-impl<R: std::io::BufRead> BoundedLines<R> {
-    fn next_line(&mut self) -> anyhow::Result<Option<String>> {
-        let mut buf = Vec::new();
-        let limit = self.max as u64 + 1;
-        let got = std::io::Read::take(&mut self.reader, limit).read_until(b'\n', &mut buf)?;
-        if got == 0 {
-            return Ok(None);
-        }
-        if buf.last() == Some(&b'\n') {
-            buf.pop();
-            if buf.last() == Some(&b'\r') {
-                buf.pop();
-            }
-        } else if buf.len() > self.max {
-            bail!("the line is longer than {} MiB", self.max >> 20);
-        }
-        Ok(Some(
-            String::from_utf8(buf).context("the line is not UTF-8")?,
-        ))
-    }
-}
-
 /// Reads every request of `path`; lines without an id get `first_id + their position`
 /// among the requests. Blank lines are skipped; errors name the file and line.
 pub fn read_prompts_file(
@@ -135,12 +103,9 @@ pub fn read_prompts_file(
     d: &LineDefaults<'_>,
     first_id: usize,
 ) -> anyhow::Result<Vec<Request>> {
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut lines =
+        BoundedLines::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut out = Vec::new();
-    let mut lines = BoundedLines {
-        reader: std::io::BufReader::new(f),
-        max: MAX_LINE_BYTES,
-    };
     for n in 0.. {
         let Some(line) = lines
             .next_line()
@@ -208,32 +173,6 @@ pub fn read_prompts_file(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lines_are_bounded_and_keep_their_text() {
-        let text = b"ab\r\n\ncdef\nghijkl\nxy";
-        let mut l = BoundedLines {
-            reader: &text[..],
-            max: 4,
-        };
-        assert_eq!(l.next_line().unwrap().as_deref(), Some("ab"));
-        assert_eq!(l.next_line().unwrap().as_deref(), Some(""));
-        assert_eq!(l.next_line().unwrap().as_deref(), Some("cdef"));
-        let e = l.next_line().unwrap_err();
-        assert!(e.to_string().contains("longer than"), "{e}");
-        // Endless input without a newline stops at the bound.
-        let mut zero = BoundedLines {
-            reader: std::io::BufReader::new(std::io::repeat(0)),
-            max: 1 << 20,
-        };
-        assert!(zero.next_line().is_err());
-        let mut last = BoundedLines {
-            reader: &b"xy"[..],
-            max: 4,
-        };
-        assert_eq!(last.next_line().unwrap().as_deref(), Some("xy"));
-        assert_eq!(last.next_line().unwrap(), None);
-    }
 
     #[test]
     fn lines_override_defaults_and_errors_name_the_line() {

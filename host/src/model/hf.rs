@@ -238,7 +238,8 @@ impl WeightSource for SafetensorsFolder {
 }
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = crate::files::read_text_bounded(path, crate::files::TEXT_MAX)
+        .map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::BadConfig(format!("{}: {e}", path.display())))
 }
 

@@ -58,7 +58,9 @@ impl Tokenizer {
         eos: Vec<TokenId>,
         add_bos: bool,
     ) -> Result<Tokenizer> {
-        let inner = tokenizers::Tokenizer::from_file(path)
+        let bytes = crate::files::read_bounded(path, crate::files::ASSET_MAX)
+            .map_err(|e| Error::io(path, e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))?;
         let vocab_size = inner.get_vocab_size(true);
         let byte_level = matches!(

@@ -52,7 +52,8 @@ impl PluginSource {
         };
         let (origin, bytes): (Origin, Arc<[u8]>) = match table.and_then(|t| t.path.clone()) {
             Some(path) => {
-                let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+                let bytes = crate::files::read_bounded(&path, crate::files::ASSET_MAX)
+                    .map_err(|e| Error::io(&path, e))?;
                 (Origin::File(path), bytes.into())
             }
             None => {
