@@ -5,6 +5,9 @@
 mod config {
     pub use deepinfer::config::*;
 }
+mod files {
+    pub use deepinfer::files::*;
+}
 mod plugins {
     pub use deepinfer::plugins::*;
 }
