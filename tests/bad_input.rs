@@ -328,3 +328,19 @@ fn endless_files_named_by_flags_are_refused_at_a_ceiling() {
         );
     }
 }
+
+/// `--threads 0` is refused by name on every command that takes it, not run as one thread.
+#[test]
+fn zero_threads_are_refused_by_every_command() {
+    for args in [
+        &["generate", "--prompt", "hi", "--threads", "0"][..],
+        &["eval", "ppl", "text.txt", "--threads", "0"],
+        &["bench", "decode", "--threads", "0"],
+    ] {
+        let stderr = common::refused(args);
+        assert!(
+            stderr.contains("--threads") && stderr.contains("at least 1"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

@@ -169,6 +169,9 @@ impl Config {
     /// Checks what serde cannot: values in range, plugin tables well formed.
     fn check(&self) -> std::result::Result<(), String> {
         self.sampler.params()?;
+        if self.model.threads == Some(0) {
+            return Err("[model] threads must be at least 1".into());
+        }
         for (name, p) in &self.plugins {
             match (&p.path, p.builtin) {
                 (Some(_), true) => {
@@ -311,6 +314,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(bad.contains("abc"), "{bad}");
+        let bad = Config::from_toml_str("[model]\nthreads = 0\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("[model] threads must be at least 1"), "{bad}");
     }
 
     #[test]

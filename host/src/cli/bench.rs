@@ -18,7 +18,7 @@ pub struct BenchArgs {
     #[arg(long, global = true, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Compute threads.
-    #[arg(long, global = true, default_value_t = 2)]
+    #[arg(long, global = true, default_value_t = 2, value_parser = super::at_least_one)]
     pub threads: usize,
     /// Where to run: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
     #[arg(long, global = true, default_value = "cpu")]

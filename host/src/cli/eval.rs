@@ -44,7 +44,7 @@ pub enum EvalCommand {
         output: PathBuf,
         #[arg(long)]
         model: Option<PathBuf>,
-        #[arg(long)]
+        #[arg(long, value_parser = super::at_least_one)]
         threads: Option<usize>,
     },
     /// Score a samples file: pass@1 (mean over samples) with its standard error.
@@ -57,7 +57,7 @@ pub enum EvalCommand {
         window: usize,
         #[arg(long)]
         model: Option<PathBuf>,
-        #[arg(long)]
+        #[arg(long, value_parser = super::at_least_one)]
         threads: Option<usize>,
     },
 }

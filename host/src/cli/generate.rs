@@ -113,7 +113,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub full_logits: bool,
     /// Compute threads (default: the config's, else all cores).
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_one)]
     pub threads: Option<usize>,
     /// Structured output: every output is JSON valid under this JSON Schema file (draft
     /// 2020-12 keywords; compact JSON). Applies to requests whose line sets no constraint.

@@ -40,6 +40,16 @@ pub enum Command {
 
 /// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
 /// message before it already ends with (errors that print their source themselves).
+/// A count flag that must be at least 1 (`--threads`): 0 is refused by name instead of being
+/// taken as 1 or as "all".
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 pub fn error_chain(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
