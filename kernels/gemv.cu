@@ -353,13 +353,10 @@ __device__ __forceinline__ void gemvb_impl(const u8* w0, const u8* w1, const u8*
 // chunks, one warp reduction.
 #define GEMVP_ROWS 8
 #define GEMVP_MAXK 2048
-// Wide blocks (`gemvp<mode>_bf16w_n1_r32_bf16`): 4 rows a warp, up to 32 a block, in up to
-// 136 KB of dynamic shared memory, so a matrix of up to 32 rows an SM (the q/kv_a and o
-// projections of a 2048-wide model) is one block an SM and every block can be resident, its
-// rows copying, while the kernel before it runs. A block takes rb rows, ceil(rows / blocks)
-// rounded up to whole warps (32 where the host launches ceil(rows / 32) blocks; fewer where it
-// launches more, e.g. 28 so a 3,648-row matrix covers 131 SMs), staged in rb * k * 2 bytes with
-// the input after them; warps past rb copy and compute nothing.
+// Wide blocks (`gemvp<mode>_bf16w_n1_r32_bf16`): 4 rows a warp, 32 a block, in 136 KB of
+// dynamic shared memory, so a matrix of up to 32 rows an SM (the q/kv_a and o projections of
+// a 2048-wide model) is one block an SM and every block can be resident, its rows copying,
+// while the kernel before it runs.
 #define GEMVP_WIDE_RPW 4
 
 template <int MODE, int RPW>
@@ -373,8 +370,6 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
     const u64 t_entry = di_trace_now();
     uint4* wbuf;
     float* xs;
-    const int nch = k >> 3;
-    int rb = R;  // rows of this block
     if constexpr (RPW == 1) {
         __shared__ __align__(16) uint4 wst[R * GEMVP_MAXK / 8];
         __shared__ __align__(16) float xst[GEMVP_MAXK];
@@ -382,13 +377,12 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
         xs = xst;
     } else {
         extern __shared__ __align__(16) uint4 gemvp_dyn[];
-        const long m = (long)m0 + m1 + m2;
-        rb = ((int)((m + gridDim.x - 1) / gridDim.x) + RPW - 1) / RPW * RPW;
         wbuf = gemvp_dyn;
-        xs = reinterpret_cast<float*>(gemvp_dyn + (long)rb * nch);
+        xs = reinterpret_cast<float*>(gemvp_dyn + R * GEMVP_MAXK / 8);
     }
     __shared__ float red[GEMVB_THREADS / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nch = k >> 3;
     // Rows warp * RPW .. + RPW of this block; each warp copies its own rows: lane l takes
     // chunks l, l + 32, ... SwiGLU (a gate/up pair of segments of m0 rows each): warp w < 4
     // takes gate row 4 b + w, warp w + 4 the up row of the same index.
@@ -401,13 +395,12 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
         long mj;
         constexpr int P = GEMVP_ROWS / 2;
         const long pr = (long)blockIdx.x * P + warp % P;
-        const long row = SWIGLU ? pr + (warp < P ? 0 : m0) : (long)blockIdx.x * rb + warp * RPW + j;
+        const long row = SWIGLU ? pr + (warp < P ? 0 : m0) : (long)blockIdx.x * R + warp * RPW + j;
         ok[j] = gemv_seg(row, w0, w1, w2, y0, y1, y2, m0, m1, m2, wr[j], yr[j], rr[j], mj) &&
-                (!SWIGLU || (m1 == m0 && pr < m0)) && warp * RPW < rb;
+                (!SWIGLU || (m1 == m0 && pr < m0));
         wr[j] += rr[j] * row_bytes;
-        if (warp * RPW < rb)  // warp-uniform
-            for (int c = lane; c < nch; c += 32)
-                cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
+        for (int c = lane; c < nch; c += 32)
+            cp_async16_w(&wbuf[(warp * RPW + j) * nch + c], wr[j] + (long)c * 16, ok[j]);
     }
     cp_async_commit();
     // The next launch comes in first thing: its copies before its wait pay even while these
@@ -447,12 +440,7 @@ __device__ __forceinline__ void gemvp_impl(const u8* w0, const u8* w1, const u8*
 #pragma unroll
     for (int j = 0; j < RPW; j++) part[j] = staged_dot(&wbuf[(warp * RPW + j) * nch], xs, nch, lane);
 #else
-    if (warp * RPW < rb) {
-        staged_dots<RPW>(&wbuf[warp * RPW * nch], nch, xs, nch, lane, part);
-    } else {
-#pragma unroll
-        for (int j = 0; j < RPW; j++) part[j] = 0.0f;
-    }
+    staged_dots<RPW>(&wbuf[warp * RPW * nch], nch, xs, nch, lane, part);
 #endif
     if constexpr (SWIGLU) {
         // the up warps' sums to the gate warps (rounded as the unfolded products store them)

@@ -232,7 +232,7 @@ fn widen(inner: &Inner, act: Act, kr: (KernelId, usize), rows: usize) -> (Kernel
                 && inner.opts.gemvp_wide_folds & (1 << i) != 0
                 && rows <= GEMVP_WIDE_ROWS * inner.module.sms
             {
-                return (w[i], inner.opts.gemvp_wide_rows);
+                return (w[i], GEMVP_WIDE_ROWS);
             }
         }
     }

@@ -501,7 +501,7 @@ pub(crate) fn attention(
                 args.extend_from_slice(&l.args);
                 (l.kernel, l.smem)
             }
-            None => (k.mla_dec1[wi], k.mla_dec1_pad),
+            None => (k.mla_dec1[wi], 0),
         };
         inner.push(Op::Cluster {
             kernel,

@@ -102,10 +102,6 @@ pub struct CudaOptions {
     /// Which of those take the wide blocks, by fold (bit 0 plain, 1 RMSNorm, 2 residual add):
     /// `DEEPINFER_CUDA_GEMVPW=norm` / `add` for one kind only, all by default.
     pub gemvp_wide_folds: u8,
-    /// Rows a wide block takes (a multiple of 4, 8..=32; 32 by default): 28 spreads the
-    /// Moonlight q/kv_a product's 3,648 rows over 131 SMs instead of 114, so no SM is free of
-    /// it when `mla_dec1`'s blocks are placed beside it (`DEEPINFER_CUDA_GEMVPW_ROWS=N`).
-    pub gemvp_wide_rows: usize,
     /// One-token gate/up GEMVs with SwiGLU folded in over rows of 2048 take the staged kernels
     /// too (`gemvps*`, 4 gate/up row pairs a block in 41 KB of shared memory: 5 blocks an SM,
     /// 160 KB asked for), where the block GEMVs hold 16 KB a block in flight at 64 registers a
@@ -241,11 +237,6 @@ pub struct CudaOptions {
     /// so not the default (`DEEPINFER_CUDA_FFN1_BLOCKS=N`, at least the layer's experts, at
     /// most the SMs).
     pub ffn1_blocks: usize,
-    /// Dynamic shared memory asked for `mla_dec1`'s blocks beyond what they use (0: none).
-    /// Beside a q/kv_a block (136 KB) an SM holds two of `mla_dec1`'s unpadded blocks, and the
-    /// session-42 trace found 16 SMs holding two blocks of different clusters while others
-    /// held none; a pad of a few KB leaves room for one (`DEEPINFER_CUDA_MLA1_PAD=BYTES`).
-    pub mla1_pad: usize,
     /// MLA's V up-projection for steps of more than 8 tokens (bf16) merges the key splits
     /// into bf16 latents and multiplies every token's with the V rows on tensor cores
     /// (`mla_merge`, `mla_v_mma`) instead of a block a token and head (`mla_v_up`);
@@ -409,7 +400,6 @@ impl Default for CudaOptions {
             gemvp: true,
             gemvp_wide: true,
             gemvp_wide_folds: 0b111,
-            gemvp_wide_rows: 32,
             gemvp_swiglu: false,
             cluster_policy: None,
             fuse2: false,
@@ -440,7 +430,6 @@ impl Default for CudaOptions {
             ffn1_prev: false,
             ffn1_pages: 0,
             ffn1_blocks: 0,
-            mla1_pad: 0,
             decode_mma: true,
             decode_mma4: true,
             mla_expand: true,
@@ -563,14 +552,6 @@ impl CudaOptions {
         switch("DEEPINFER_CUDA_FFN1_NEXT_L2", &mut o.ffn1_next_l2)?;
         count("DEEPINFER_CUDA_FFN1_PAGES", "ring pages", &mut o.ffn1_pages)?;
         count("DEEPINFER_CUDA_FFN1_BLOCKS", "blocks", &mut o.ffn1_blocks)?;
-        count("DEEPINFER_CUDA_MLA1_PAD", "bytes", &mut o.mla1_pad)?;
-        count("DEEPINFER_CUDA_GEMVPW_ROWS", "rows", &mut o.gemvp_wide_rows)?;
-        if !(8..=32).contains(&o.gemvp_wide_rows) || !o.gemvp_wide_rows.is_multiple_of(4) {
-            return Err(Error::BadConfig(format!(
-                "DEEPINFER_CUDA_GEMVPW_ROWS={}: expected a multiple of 4 from 8 to 32",
-                o.gemvp_wide_rows
-            )));
-        }
         if o.ffn1_pages % 8 != 0 {
             return Err(Error::BadConfig(format!(
                 "DEEPINFER_CUDA_FFN1_PAGES={}: expected a multiple of 8 (a whole number of pages each of the 8 warps)",
@@ -894,9 +875,6 @@ impl CudaBackend {
         let mut module = Module::load(&ctx)?;
         module.pdl &= opts.pdl;
         module.cluster_policy = opts.cluster_policy;
-        if opts.mla1_pad > 0 {
-            module.pad_mla_dec1(opts.mla1_pad)?;
-        }
         let mut queue = Queue::new(opts.graphs);
         queue.next_l2 = opts.ds2.next_l2;
         queue.ffn1_next = opts.moe_ffn1 && opts.ffn1_next;

@@ -378,8 +378,6 @@ pub struct DeepseekKernels {
     /// The three MLA kernels in one cluster launch for decode steps of one token a sequence
     /// (`CudaOptions::fuse_mla`), by weight type.
     pub mla_dec1: [KernelId; 2],
-    /// Dynamic shared memory its launches ask for (`CudaOptions::mla1_pad`; 0 by default).
-    pub mla_dec1_pad: u32,
     /// `mla_dec1` with the layer's attention half around it (`CudaOptions::fuse_layer`; bf16
     /// activations and weights only).
     pub mla_layer1: Option<KernelId>,
@@ -535,14 +533,13 @@ pub struct Module {
 }
 
 impl Module {
-    /// The dynamic shared memory a GEMV launch of `kernel` asks for (the wide staged ones':
-    /// `rows_per_block` rows of `k` bf16 weights and the f32 input).
-    pub fn gemv_smem(&self, kernel: KernelId, rows_per_block: usize, k: usize) -> u32 {
+    /// The dynamic shared memory a GEMV launch of `kernel` asks for (the wide staged ones').
+    pub fn gemv_smem(&self, kernel: KernelId) -> u32 {
         let wide = [&self.f32, &self.bf16]
             .iter()
             .any(|a| a.gemvp_wide.is_some_and(|w| w.contains(&kernel)));
         if wide {
-            (rows_per_block.min(GEMVP_WIDE_ROWS) * k * 2 + k * 4).min(GEMVP_WIDE_SMEM) as u32
+            GEMVP_WIDE_SMEM as u32
         } else {
             0
         }
@@ -733,7 +730,6 @@ impl Module {
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
                 mla_v_up2: [n("mla_v_up2_wf32")?, n("mla_v_up2_wbf16")?],
                 mla_dec1: [n("mla_dec1_wf32")?, n("mla_dec1_wbf16")?],
-                mla_dec1_pad: 0,
                 mla_layer1: if s == "bf16" {
                     Some(n("mla_layer1")?)
                 } else {
@@ -942,37 +938,6 @@ impl Module {
         }
     }
 
-    /// Lets `mla_dec1`'s launches ask for `pad` bytes of dynamic shared memory
-    /// (`CudaOptions::mla1_pad`); an error where the device cannot give that much beside the
-    /// kernel's own.
-    /// The clusters of 8 resident at once at that pad and with one block an SM are printed
-    /// (an experiment's figures: the GPCs decide how many fit).
-    pub fn pad_mla_dec1(&mut self, pad: usize) -> Result<()> {
-        for ds in &mut self.deepseek {
-            for k in ds.mla_dec1 {
-                let f = self.funcs[k.0 as usize].cu_function();
-                let Some(most) = raise_dyn_smem(f, self.max_smem, usize::MAX) else {
-                    return Err(Error::Cuda("raising mla_dec1's shared memory limit".into()));
-                };
-                if pad > most as usize {
-                    return Err(Error::BadConfig(format!(
-                        "DEEPINFER_CUDA_MLA1_PAD={pad}: more shared memory than mla_dec1 can \
-                         have beside its own (at most {most})"
-                    )));
-                }
-                eprintln!(
-                    "deepinfer: {} padded by {pad} bytes: {} clusters of 8 resident ({} at one \
-                     block an SM)",
-                    self.names[k.0 as usize],
-                    clusters_resident(f, pad as u32, 8),
-                    clusters_resident(f, most, 8),
-                );
-            }
-            ds.mla_dec1_pad = pad as u32;
-        }
-        Ok(())
-    }
-
     pub fn function(&self, k: KernelId) -> sys::CUfunction {
         self.funcs[k.0 as usize].cu_function()
     }
@@ -1034,36 +999,31 @@ fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
     let Some(fill) = raise_dyn_smem(f, max_smem, MLA_LAYER1_SMEM) else {
         return (0, [0; 3]);
     };
-    (fill, [2, 4, 8].map(|c| clusters_resident(f, fill, c)))
-}
-
-/// How many clusters of `c` blocks of `f` (256 threads, `smem` bytes of dynamic shared
-/// memory each) the device holds at once (0 where the call fails).
-fn clusters_resident(f: sys::CUfunction, smem: u32, c: u32) -> u32 {
-    // SAFETY: all-zero is a valid launch attribute; the one set is the cluster shape.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: c, y: 1, z: 1 };
-    let cfg = sys::CUlaunchConfig {
-        gridDimX: c,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: 256,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: smem,
-        hStream: std::ptr::null_mut(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut n: std::ffi::c_int = 0;
-    // SAFETY: `cfg` and `attr` outlive the call, which only reads them and writes `n`.
-    let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }.result();
-    if ok.is_ok() {
-        n.max(0) as u32
-    } else {
-        0
+    let mut clusters = [0u32; 3];
+    for (c, out) in [2u32, 4, 8].into_iter().zip(clusters.iter_mut()) {
+        // SAFETY: all-zero is a valid launch attribute; the one set is the cluster shape.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim =
+            sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: c, y: 1, z: 1 };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: c,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: 256,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: fill,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `cfg` and `attr` outlive the call, which only reads them and writes `n`.
+        let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }.result();
+        *out = if ok.is_ok() { n.max(0) as u32 } else { 0 };
     }
+    (fill, clusters)
 }
 
 #[cfg(test)]

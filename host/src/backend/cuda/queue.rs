@@ -578,7 +578,7 @@ fn exec(op: &Op, m: &Module, blas: &Blas, stream: &Arc<CudaStream>, pdl: bool) -
                 g.kernel,
                 [g.blocks() as u32, 1, 1],
                 GEMV_THREADS,
-                m.gemv_smem(g.kernel, g.rows_per_block, g.p.k),
+                m.gemv_smem(g.kernel),
                 &a,
             )
         }
