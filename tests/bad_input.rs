@@ -344,3 +344,23 @@ fn zero_threads_are_refused_by_every_command() {
         );
     }
 }
+
+/// Bench sizes of 0 (a batch, a prompt length, steps, repeats) are refused by flag, not run as
+/// empty measurements or into a panic.
+#[test]
+fn zero_bench_sizes_are_refused_by_flag() {
+    for (args, flag) in [
+        (&["bench", "decode", "--batch", "1,0"][..], "--batch"),
+        (&["bench", "decode", "--prompt-len", "0"], "--prompt-len"),
+        (&["bench", "decode", "--new-tokens", "0"], "--new-tokens"),
+        (&["bench", "decode", "--repeats", "0"], "--repeats"),
+        (&["bench", "prefill", "--lengths", "0"], "--lengths"),
+        (&["bench", "prefill", "--chunk-sizes", "0"], "--chunk-sizes"),
+    ] {
+        let stderr = common::refused(args);
+        assert!(
+            stderr.contains(flag) && stderr.contains("at least 1"),
+            "{args:?}: {stderr}"
+        );
+    }
+}

@@ -137,6 +137,12 @@ pub fn decode_steps(
     prompt_len: usize,
     steps: usize,
 ) -> Result<Vec<f64>> {
+    if batch == 0 || prompt_len == 0 || steps == 0 {
+        return Err(Error::BadRequest(format!(
+            "a decode benchmark needs at least one sequence, prompt token and step \
+             (batch {batch}, prompt length {prompt_len}, steps {steps})"
+        )));
+    }
     let vocab = model.config().vocab;
     let (mut kv, per_seq) = kv_for(model, batch, prompt_len + steps + 1)?;
     let tables: Vec<Vec<u32>> = (0..batch)
@@ -225,5 +231,18 @@ mod tests {
         };
         assert!(bad(0, None));
         assert!(bad(8, Some(0)));
+    }
+
+    #[test]
+    fn decode_steps_time_every_step_and_refuse_empty_shapes() {
+        let m = crate::model::random::load("tiny", 7, Device::Cpu { threads: 1 }).unwrap();
+        let model = m.model.as_ref();
+        assert_eq!(decode_steps(model, 2, 5, 3).unwrap().len(), 3);
+        for (batch, len, steps) in [(0, 5, 3), (2, 0, 3), (2, 5, 0)] {
+            let e = decode_steps(model, batch, len, steps)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("at least one"), "{e}");
+        }
     }
 }

@@ -40,8 +40,8 @@ pub enum Command {
 
 /// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
 /// message before it already ends with (errors that print their source themselves).
-/// A count flag that must be at least 1 (`--threads`): 0 is refused by name instead of being
-/// taken as 1 or as "all".
+/// A count flag that must be at least 1 (`--threads`, bench sizes and repeats): 0 is refused
+/// by name instead of being taken as 1, as "all" or as an empty measurement.
 pub fn at_least_one(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("must be at least 1".into()),
