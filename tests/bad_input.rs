@@ -345,8 +345,8 @@ fn zero_threads_are_refused_by_every_command() {
     }
 }
 
-/// Bench sizes of 0 (a batch, a prompt length, steps, repeats) are refused by flag, not run as
-/// empty measurements or into a panic.
+/// Bench sizes of 0 (a batch, a prompt length, steps, repeats) and a perplexity window too
+/// short to score a token are refused by flag, not run as empty measurements or into a panic.
 #[test]
 fn zero_bench_sizes_are_refused_by_flag() {
     for (args, flag) in [
@@ -356,10 +356,11 @@ fn zero_bench_sizes_are_refused_by_flag() {
         (&["bench", "decode", "--repeats", "0"], "--repeats"),
         (&["bench", "prefill", "--lengths", "0"], "--lengths"),
         (&["bench", "prefill", "--chunk-sizes", "0"], "--chunk-sizes"),
+        (&["eval", "ppl", "text.txt", "--window", "1"], "--window"),
     ] {
         let stderr = common::refused(args);
         assert!(
-            stderr.contains(flag) && stderr.contains("at least 1"),
+            stderr.contains(flag) && stderr.contains("must be at least"),
             "{args:?}: {stderr}"
         );
     }

@@ -52,14 +52,25 @@ pub enum EvalCommand {
     /// Perplexity of a text file under the model.
     Ppl {
         text: PathBuf,
-        /// Tokens per scoring window.
-        #[arg(long, default_value_t = 512)]
+        /// Tokens per scoring window (at least 2: a window scores each token after its first;
+        /// one longer than the model's context is cut to it).
+        #[arg(long, default_value_t = 512, value_parser = window_len)]
         window: usize,
         #[arg(long)]
         model: Option<PathBuf>,
         #[arg(long, value_parser = super::at_least_one)]
         threads: Option<usize>,
     },
+}
+
+fn window_len(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n < 2 => {
+            Err("must be at least 2 (a window scores each token after its first)".into())
+        }
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn device(threads: Option<usize>) -> Device {
