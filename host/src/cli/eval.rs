@@ -54,23 +54,13 @@ pub enum EvalCommand {
         text: PathBuf,
         /// Tokens per scoring window (at least 2: a window scores each token after its first;
         /// one longer than the model's context is cut to it).
-        #[arg(long, default_value_t = 512, value_parser = window_len)]
+        #[arg(long, default_value_t = 512, value_parser = super::at_least::<2>)]
         window: usize,
         #[arg(long)]
         model: Option<PathBuf>,
         #[arg(long, value_parser = super::at_least_one)]
         threads: Option<usize>,
     },
-}
-
-fn window_len(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(n) if n < 2 => {
-            Err("must be at least 2 (a window scores each token after its first)".into())
-        }
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 fn device(threads: Option<usize>) -> Device {

@@ -40,14 +40,19 @@ pub enum Command {
 
 /// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
 /// message before it already ends with (errors that print their source themselves).
-/// A count flag that must be at least 1 (`--threads`, bench sizes and repeats): 0 is refused
-/// by name instead of being taken as 1, as "all" or as an empty measurement.
-pub fn at_least_one(s: &str) -> Result<usize, String> {
+/// A count flag that must be at least `N`: a smaller value is refused by name instead of
+/// being raised, read as "all" or run as an empty measurement.
+pub fn at_least<const N: usize>(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) if n < N => Err(format!("must be at least {N}")),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// `--threads`, bench sizes and repeats.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    at_least::<1>(s)
 }
 
 pub fn error_chain(e: &anyhow::Error) -> String {
