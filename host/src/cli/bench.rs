@@ -18,7 +18,7 @@ pub struct BenchArgs {
     #[arg(long, global = true, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Compute threads.
-    #[arg(long, global = true, default_value_t = 2, value_parser = super::at_least_one)]
+    #[arg(long, global = true, default_value_t = 2, value_parser = super::at_least::<1>)]
     pub threads: usize,
     /// Where to run: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
     #[arg(long, global = true, default_value = "cpu")]
@@ -28,7 +28,7 @@ pub struct BenchArgs {
     #[arg(long, global = true, value_name = "SHAPE")]
     pub random_weights: Option<String>,
     /// Measured repeats per point.
-    #[arg(long, global = true, default_value_t = 5, value_parser = super::at_least_one)]
+    #[arg(long, global = true, default_value_t = 5, value_parser = super::at_least::<1>)]
     pub repeats: usize,
     /// Unmeasured warm-up repeats per point.
     #[arg(long, global = true, default_value_t = 1)]
@@ -48,11 +48,11 @@ pub enum BenchMode {
     /// Time the prefill of one prompt per length (and per chunk size).
     Prefill {
         /// Prompt lengths, comma-separated (a cached prefix counts in the length).
-        #[arg(long, value_delimiter = ',', default_value = "128,512", value_parser = super::at_least_one)]
+        #[arg(long, value_delimiter = ',', default_value = "128,512", value_parser = super::at_least::<1>)]
         lengths: Vec<usize>,
         /// Chunked prefill: forward passes of at most this many tokens; comma-separated to
         /// sweep (default: the whole prompt in one pass).
-        #[arg(long, value_delimiter = ',', value_name = "TOKENS", value_parser = super::at_least_one)]
+        #[arg(long, value_delimiter = ',', value_name = "TOKENS", value_parser = super::at_least::<1>)]
         chunk_sizes: Vec<usize>,
         /// Compute a shared prefix of this many tokens once (rounded down to whole KV
         /// blocks), then time only each request's uncached suffix, as after a prefix-cache hit.
@@ -62,11 +62,11 @@ pub enum BenchMode {
     /// Time decode steps after a prefill.
     Decode {
         /// Batch sizes, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "1", value_parser = super::at_least_one)]
+        #[arg(long, value_delimiter = ',', default_value = "1", value_parser = super::at_least::<1>)]
         batch: Vec<usize>,
-        #[arg(long, default_value_t = 128, value_parser = super::at_least_one)]
+        #[arg(long, default_value_t = 128, value_parser = super::at_least::<1>)]
         prompt_len: usize,
-        #[arg(long, default_value_t = 128, value_parser = super::at_least_one)]
+        #[arg(long, default_value_t = 128, value_parser = super::at_least::<1>)]
         new_tokens: usize,
     },
     /// The engine offline: batched vs one-at-a-time throughput, prefix-hit time to first
@@ -81,10 +81,10 @@ pub enum BenchMode {
     /// line a path, JSON records with --output).
     Stream {
         /// Bytes read a launch, MiB (several times the L2's size).
-        #[arg(long, default_value_t = 1024, value_parser = super::at_least_one)]
+        #[arg(long, default_value_t = 1024, value_parser = super::at_least::<1>)]
         mib: usize,
         /// Ring page sizes, KiB, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "4,8,16", value_parser = super::at_least_one)]
+        #[arg(long, value_delimiter = ',', default_value = "4,8,16", value_parser = super::at_least::<1>)]
         pages_kib: Vec<usize>,
     },
 }

@@ -44,7 +44,7 @@ pub enum EvalCommand {
         output: PathBuf,
         #[arg(long)]
         model: Option<PathBuf>,
-        #[arg(long, value_parser = super::at_least_one)]
+        #[arg(long, value_parser = super::at_least::<1>)]
         threads: Option<usize>,
     },
     /// Score a samples file: pass@1 (mean over samples) with its standard error.
@@ -58,24 +58,29 @@ pub enum EvalCommand {
         window: usize,
         #[arg(long)]
         model: Option<PathBuf>,
-        #[arg(long, value_parser = super::at_least_one)]
+        #[arg(long, value_parser = super::at_least::<1>)]
         threads: Option<usize>,
     },
 }
 
 fn device(threads: Option<usize>) -> Device {
-    threads.map_or_else(Device::cpu_all, |t| Device::Cpu { threads: t.max(1) })
+    threads.map_or_else(Device::cpu_all, |threads| Device::Cpu { threads })
 }
 
-fn read_tasks(path: &std::path::Path) -> anyhow::Result<Vec<Task>> {
+/// The JSON values of `path`'s non-blank lines (each at most `files::LINE_MAX` bytes); errors
+/// name the file and line, `what` the kind of line expected.
+fn read_jsonl<T: serde::de::DeserializeOwned>(
+    path: &std::path::Path,
+    what: &str,
+) -> anyhow::Result<Vec<T>> {
     crate::files::BoundedLines::open(path)
         .with_context(|| format!("opening {}", path.display()))?
         .enumerate()
         .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
         .map(|(i, l)| {
-            let l = l.with_context(|| format!("reading {}:{}", path.display(), i + 1))?;
-            serde_json::from_str(&l)
-                .with_context(|| format!("{}:{}: not a task", path.display(), i + 1))
+            let at = || format!("{}:{}", path.display(), i + 1);
+            let l = l.with_context(|| format!("reading {}", at()))?;
+            serde_json::from_str(&l).with_context(|| format!("{}: not {what}", at()))
         })
         .collect()
 }
@@ -100,7 +105,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
                 bail!("--questions {questions}: at most {MAX_SAMPLES}");
             }
             let tasks = match tasks {
-                Some(p) => read_tasks(&p)?,
+                Some(p) => read_jsonl::<Task>(&p, "a task")?,
                 None => arithmetic_tasks(questions, seed),
             };
             if tasks.is_empty() || k == 0 {
@@ -172,16 +177,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             Ok(())
         }
         EvalCommand::Score { samples } => {
-            let parsed: Vec<Sample> = crate::files::BoundedLines::open(&samples)
-                .with_context(|| format!("opening {}", samples.display()))?
-                .enumerate()
-                .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
-                .map(|(i, l)| {
-                    let at = || format!("{}:{}", samples.display(), i + 1);
-                    let l = l.with_context(|| format!("reading {}", at()))?;
-                    serde_json::from_str(&l).with_context(|| format!("{}: not a sample", at()))
-                })
-                .collect::<anyhow::Result<_>>()?;
+            let parsed: Vec<Sample> = read_jsonl(&samples, "a sample")?;
             let r = score_samples(&parsed).context("the samples file is empty")?;
             println!("{}", serde_json::to_string(&r)?);
             eprintln!(

@@ -113,7 +113,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub full_logits: bool,
     /// Compute threads (default: the config's, else all cores).
-    #[arg(long, value_parser = super::at_least_one)]
+    #[arg(long, value_parser = super::at_least::<1>)]
     pub threads: Option<usize>,
     /// Structured output: every output is JSON valid under this JSON Schema file (draft
     /// 2020-12 keywords; compact JSON). Applies to requests whose line sets no constraint.
@@ -336,7 +336,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         crate::plugins::build_sampler(&config).context("loading the sampler plugin")?
     };
     let device = match (a.device, config.model.threads) {
-        (Device::Cpu { .. }, Some(t)) => Device::Cpu { threads: t.max(1) },
+        (Device::Cpu { .. }, Some(t)) => Device::Cpu { threads: t },
         (d, _) => d,
     };
     let loaded = crate::model::random::load_cli_model(

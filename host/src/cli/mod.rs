@@ -38,10 +38,9 @@ pub enum Command {
     Dev(dev::DevArgs),
 }
 
-/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
-/// message before it already ends with (errors that print their source themselves).
-/// A count flag that must be at least `N`: a smaller value is refused by name instead of
-/// being raised, read as "all" or run as an empty measurement.
+/// A count flag that must be at least `N` (`--threads`, bench sizes and repeats, `eval ppl
+/// --window`): a smaller value is refused by name instead of being raised, read as "all" or
+/// run as an empty measurement.
 pub fn at_least<const N: usize>(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n < N => Err(format!("must be at least {N}")),
@@ -50,11 +49,8 @@ pub fn at_least<const N: usize>(s: &str) -> Result<usize, String> {
     }
 }
 
-/// `--threads`, bench sizes and repeats.
-pub fn at_least_one(s: &str) -> Result<usize, String> {
-    at_least::<1>(s)
-}
-
+/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the
+/// message before it already ends with (errors that print their source themselves).
 pub fn error_chain(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {

@@ -3,12 +3,12 @@
 //! sampling fields that override the run's defaults, and at most one structured-output
 //! constraint (`json_schema`, `regex`, `grammar`, `choice`). Parsing only; nothing runs here.
 
-use crate::files::BoundedLines;
 use std::path::Path;
 
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use crate::files::BoundedLines;
 use crate::ids::TokenId;
 use crate::model::chat::Message;
 use crate::runtime::{Constraint, PromptInput, Request};
