@@ -339,16 +339,15 @@ mod gpu {
             let mut rng = Rng::fresh("mla");
             // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths
             // (the three-launch kernels only); latents of 64 and 32, whose decode steps take
-            // the fused kernel (clusters of 8 and 4; 4 heads for pairs of heads), and
-            // Moonlight's head shape; the ds2 kernels (the default), the earlier ones, and the
-            // three launches instead of the fused one
+            // the fused kernel (clusters of 8 and 4), and Moonlight's head shape; the ds2
+            // kernels (the default), the earlier ones, and the three launches instead of the
+            // fused one
             let moon = moonlight_heads();
             let shapes = [
                 small_heads(5, 40),
                 small_heads(21, 72),
                 small_heads(5, 64),
                 small_heads(3, 32),
-                small_heads(4, 64),
                 // a nope of 32 over a latent of 128, 3 heads: the tensor-core kernels' smaller
                 // shapes and a partial head group
                 MlaDims {
@@ -366,9 +365,6 @@ mod gpu {
             // the prompt variant (4 tokens a block) is the default for the prefill's 368 tokens
             // of 3 sequences (its first block spanning two of them); without it, a token a block
             let decode1 = cuda_set(act, |o| o.decode_mma4 = false);
-            // two heads a cluster in the fused decode kernel (bf16 kv_b and cache, even head
-            // counts; the others keep one head a cluster)
-            let pairs = cuda_set(act, |o| o.mla1_pair = Some(true));
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
                 let c = mla_case_of(&mut rng, dims);
@@ -404,9 +400,6 @@ mod gpu {
                         // Moonlight's heads (every context row new), the absorbed one elsewhere
                         (&be, MlaPath::Auto, "form by cost"),
                     ];
-                    if act == Act::Bf16 && *kvb == "bf16 kv_b" {
-                        runs.push((&pairs, absorbed, "two heads a cluster"));
-                    }
                     if act == Act::Bf16 && *kvb == "bf16 kv_b" && dims.nope == 128 {
                         // the expanded form for every step: the chunk's gathers its cached rows
                         runs.push((&be, MlaPath::Expanded, "expanded form"));

@@ -154,30 +154,6 @@ fn cluster_for(d: &crate::model::mla::MlaDims) -> Option<usize> {
     })
 }
 
-/// The two-heads-a-cluster kernel (`mla_dec1p`) and its dynamic shared memory where it takes
-/// this step (bf16 weights and cache, an even head count, its tile's shared memory granted)
-/// and is asked for: always or never by `CudaOptions::mla1_pair`, by default where the device
-/// holds fewer `c`-block clusters of `mla_dec1` at once than the step has (token, head) pairs.
-fn pair_kernel(
-    inner: &Inner,
-    k: &super::module::DeepseekKernels,
-    wi: usize,
-    heads: usize,
-    n: usize,
-    c: usize,
-) -> Option<(super::module::KernelId, u32)> {
-    let kernel = k
-        .mla_dec1p
-        .filter(|_| wi == 1 && k.mla_dec1p_smem > 0 && heads.is_multiple_of(2))?;
-    let held = match c {
-        2 => k.mla_dec1_clusters[0],
-        4 => k.mla_dec1_clusters[1],
-        _ => k.mla_dec1_clusters[2],
-    } as usize;
-    let wanted = inner.opts.mla1_pair.unwrap_or(held > 0 && n * heads > held);
-    wanted.then_some((kernel, k.mla_dec1p_smem))
-}
-
 /// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs; so at most 264
 /// tokens, well inside a grid's z).
 const FUSED_MAX_BLOCKS: usize = 4 * 132;
@@ -520,19 +496,16 @@ pub(crate) fn attention(
             f(p.scale * std::f32::consts::LOG2_E),
         ];
         debug_assert_eq!(args.len(), DEC1_ARGS);
-        let (kernel, smem, groups) = match layer {
+        let (kernel, smem) = match layer {
             Some(l) => {
                 args.extend_from_slice(&l.args);
-                (l.kernel, l.smem, heads)
+                (l.kernel, l.smem)
             }
-            None => match pair_kernel(inner, k, wi, heads, n, c) {
-                Some((kernel, smem)) => (kernel, smem, heads / 2),
-                None => (k.mla_dec1[wi], 0, heads),
-            },
+            None => (k.mla_dec1[wi], 0),
         };
         inner.push(Op::Cluster {
             kernel,
-            grid: [c as u32, groups as u32, n as u32],
+            grid: [c as u32, heads as u32, n as u32],
             block: 256,
             cluster: c as u32,
             smem,
