@@ -1349,20 +1349,17 @@ __device__ void mla1_qkv(const Mla1Layer<T>& L, const u8* wq, const u8* wk, floa
     if (tid == 0 && nk > 0) atomicAdd(&L.cnt[0], 1u);
 }
 
-// The o product's partial sums of this block (rows [row0, row0 + nro), the `cols` columns of
-// head group `grp` times the group's V output `vf`), then the row chunk's sum by its last
-// block. The rows are `stride` bytes apart from `w0`: in global memory (the fused layer
-// launch: L2 asked for them) or, SMEM, this block's shared memory (`mla_dec1po`). The group's
-// partial sums go to part[grp k + row]; the last of the `groups` blocks of a row chunk adds
-// them in group order, so the sum does not depend on which came last.
-template <typename T, bool SMEM>
-__device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int grp, int groups, int b, int cols,
-                       int row0, int nro, const u8* w0, long stride) {
+// The o product's partial sums of this block (rows [row0, row0 + nro), columns of head h,
+// times the head's V output `vf`), then the row chunk's sum by its last block.
+template <typename T>
+__device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int h, int heads, int b, int v, int row0,
+                       int nro) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nvc = cols >> 3;
+    const int nvc = v >> 3;
     int lp = 1;  // lanes a row: the chunks of a row, rounded up to a power of two
     while (lp < nvc) lp <<= 1;
     const int per = 32 / lp;  // rows a warp at a time
+    const u8* w0 = L.wo + (long)row0 * L.wo_row_bytes + (long)h * v * 2;
     // the lane's V values in registers; 4 rows' loads in flight at a time
     const int c = lane % lp;
     float vr[8];
@@ -1374,18 +1371,17 @@ __device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int gr
         float a = 0.0f;
         if (j < nro && c < nvc) {
             float wf[8];
-            const uint4* wr = reinterpret_cast<const uint4*>(w0 + (long)j * stride) + c;
-            bf16x8_to_f32(SMEM ? *wr : __ldg(wr), wf);
+            bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(w0 + (long)j * L.wo_row_bytes) + c), wf);
 #pragma unroll
             for (int e = 0; e < 8; e++) a = fmaf(wf[e], vr[e], a);
         }
         for (int o = lp >> 1; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        if (c == 0 && j < nro) L.part[(long)grp * L.k + row0 + j] = a;
+        if (c == 0 && j < nro) L.part[(long)h * L.k + row0 + j] = a;
     }
     __threadfence();  // the partial sums, before the count
     __syncthreads();
     if (tid == 0) {
-        const bool last = atomicAdd(&L.cnt[2 + b], 1u) == (u32)(groups - 1);
+        const bool last = atomicAdd(&L.cnt[2 + b], 1u) == (u32)(heads - 1);
         if (last) L.cnt[2 + b] = 0u;
         *flag = last;
     }
@@ -1395,27 +1391,13 @@ __device__ void mla1_o(const Mla1Layer<T>& L, const float* vf, int* flag, int gr
         for (int j = tid; j < nro; j += blockDim.x) {
             const long e = row0 + j;
             float s = 0.0f;
-            // the groups' loads in flight together, added in group order
+            // the heads' loads in flight together, added in head order
 #pragma unroll 8
-            for (int hh = 0; hh < groups; hh++) s += __ldcg(&L.part[(long)hh * L.k + e]);
+            for (int hh = 0; hh < heads; hh++) s += __ldcg(&L.part[(long)hh * L.k + e]);
             act_store(L.oy, e, s);
             if (L.res != nullptr) act_store(L.res, e, act_load(L.res, e) + act_round(L.oy, s));
         }
     }
-}
-
-// Copies this block's o rows [row0, row0 + nro), columns [c0, c0 + cols) (bf16; cols a
-// multiple of 8), into shared memory `dst` (rows cols * 2 bytes apart) with cp.async; the
-// caller waits.
-__device__ __forceinline__ void mla1_o_stage(u8* dst, const u8* wo, long row_bytes, int c0, int cols, int row0,
-                                             int nro) {
-    const int cpr = cols / 8;  // 16-byte copies a row
-    for (int x = threadIdx.x; x < nro * cpr; x += blockDim.x) {
-        const int j = x / cpr, c = x % cpr;
-        cp_async16_w(dst + (long)j * cols * 2 + c * 16, wo + (long)(row0 + j) * row_bytes + (long)c0 * 2 + c * 16,
-                     true);
-    }
-    cp_async_commit();
 }
 
 // Where mla_dec1 lets the next launch, the o product, in: 0 first thing (before session 37;
@@ -1437,50 +1419,32 @@ __device__ __forceinline__ void mla1_trigger(int at) {
     if (!LAYER && at == MLA1_TRIGGER_AT) pdl_launch_dependents();
 }
 
-// HP heads a cluster (1, or 2 for `mla_dec1p`): the HP heads of cluster (b, hg, t) are
-// h0 + e, h0 = hg HP; each block loads its key tiles once for all of them and keeps a query, a
-// softmax state and an output per head. A device holding fewer clusters than a step has heads
-// (the H100: 15 clusters of 8 at one block an SM, 16 heads) runs one of them on SMs another
-// cluster holds; pairs leave every cluster an SM to each block. HP = 2 keeps the key tile in
-// dynamic shared memory (its static shared memory would pass 48 KB) and takes no LAYER.
-// OFOLD (`mla_dec1po`): the o product and its residual add folded in where L.wo is set (L's
-// o fields; the q / kv_a ones unused): after the attention's splits each block copies its o
-// rows (L.k / C of them, its head group's HP v columns) into dynamic shared memory behind the
-// key tile, and after the V rows takes their partial sums as the fused layer launch does
-// (mla1_o), group by group.
-template <typename T, typename WT, bool LAYER, int HP = 1, bool OFOLD = false>
+template <typename T, typename WT, bool LAYER>
 __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* cache, const float* gain,
                               const float* inv_freq, const long* slots, const int* positions, const int* tok_seq,
                               const int* tables, int table_width, int block_size, int heads, int nope, int dr, int v,
                               int r, float eps, float rs, int interleaved, float scale_log2,
                               const Mla1Layer<T>& L) {
-    static_assert(HP == 1 || (HP == 2 && !LAYER), "pairs of heads only in mla_dec1p");
-    static_assert(!(OFOLD && LAYER), "the fused layer launch folds the o product its own way");
-    constexpr bool OPROD = LAYER || OFOLD;  // an o product in this launch
     constexpr int KT = sizeof(T) == 2 ? 32 : 16;  // keys a tile: 36 KB either way
-    __shared__ __align__(16) T kt_own[HP == 1 ? KT : 1][MLA_MAXW];
+    __shared__ __align__(16) T kt[KT][MLA_MAXW];
     __shared__ long slot_of[KT];
-    __shared__ float qf[HP][MLA_MAXW];                 // scaled query (latent + rope); later the merged output
-    __shared__ float ql[HP][MLA1_MAXRC];               // this block's absorbed columns, read by the cluster
-    __shared__ float buf[HP][MLA_WARPS * MLA1_MAXRC];  // absorption partials; later this split's output
-    __shared__ float qn[HP][MLA_MAXNOPE];
-    __shared__ float nrow[MLA_MAXW];                   // the token's own cache row
+    __shared__ float qf[MLA_MAXW];                 // scaled query (latent + rope); later the merged output
+    __shared__ float ql[MLA1_MAXRC];               // this block's absorbed columns, read by the cluster
+    __shared__ float buf[MLA_WARPS * MLA1_MAXRC];  // absorption partials; later this split's output
+    __shared__ float qn[MLA_MAXNOPE];
+    __shared__ float nrow[MLA_MAXW];               // the token's own cache row
     __shared__ float cs[MLA1_MAXDR / 2], sn[MLA1_MAXDR / 2];
-    __shared__ float sc[HP][KT], ps[HP][KT];
-    __shared__ float ml[HP][2];
+    __shared__ float sc[KT], ps[KT];
+    __shared__ float ml[2];
     __shared__ float red[32];
     // LAYER: this block's query rows, the head's V output, the last-block flag; the input in
     // f32 in dynamic shared memory
     __shared__ float qloc[LAYER ? MLA1_MAXQR : 1];
-    __shared__ float vloc[OPROD ? HP * MLA1_MAXVR : 1];
-    __shared__ float vfull[OPROD ? MLA1_MAXV : 1];
+    __shared__ float vloc[LAYER ? MLA1_MAXVR : 1];
+    __shared__ float vfull[LAYER ? MLA1_MAXV : 1];
     __shared__ int oflag;
     extern __shared__ __align__(16) float mla1_xs[];
-    T(*kt)[MLA_MAXW] = HP == 1 ? kt_own : reinterpret_cast<T(*)[MLA_MAXW]>(mla1_xs);
-    // OFOLD: the o rows, behind the key tile where that is in dynamic shared memory
-    u8* ows = reinterpret_cast<u8*>(mla1_xs) + (HP == 1 ? 0 : sizeof(T) * KT * MLA_MAXW);
-    const bool ofold = OFOLD && L.wo != nullptr;
-    const int b = blockIdx.x, C = gridDim.x, h = blockIdx.y * HP, t = blockIdx.z;
+    const int b = blockIdx.x, C = gridDim.x, h = blockIdx.y, t = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int W = r + dr, qk = nope + dr, half = dr / 2;
     const int rc = r / C, ncc = rc / 8, vc = v / C;
@@ -1490,27 +1454,24 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     const int k0 = min(len, b * chunk), k1 = min(len, k0 + chunk);
     const bool owner = k0 <= pos && pos < k1;
     const int* table = tables + (long)tok_seq[t] * table_width;
+    const WT* wh = w + (long)h * (nope + v) * r;
     // Before the wait: the weights (no kernel writes them), the rope's angles (the step's
     // positions are uploaded before its kernels) and the first tile of earlier steps' keys.
-    Mla8<WT> wa[HP][MLA1_PRE], wv[HP][MLA1_VR][MLA1_VC];
+    Mla8<WT> wa[MLA1_PRE], wv[MLA1_VR][MLA1_VC];
 #pragma unroll
-    for (int e = 0; e < HP; e++) {
-        const WT* wh = w + (long)(h + e) * (nope + v) * r;
-#pragma unroll
-        for (int i = 0; i < MLA1_PRE; i++) {
-            const int x = tid + i * MLA1_THREADS, j = x / ncc;
-            wa[e][i].zero();
-            if (j < nope) wa[e][i].load(wh + (long)j * r + b * rc + (x % ncc) * 8);
-        }
-#pragma unroll
-        for (int a = 0; a < MLA1_VR; a++)
-#pragma unroll
-            for (int z = 0; z < MLA1_VC; z++) {
-                const int jj = warp + MLA_WARPS * a, cq = lane + 32 * z;
-                wv[e][a][z].zero();
-                if (jj < vc && cq * 8 < r) wv[e][a][z].load(wh + (long)(nope + b * vc + jj) * r + cq * 8);
-            }
+    for (int i = 0; i < MLA1_PRE; i++) {
+        const int e = tid + i * MLA1_THREADS, j = e / ncc;
+        wa[i].zero();
+        if (j < nope) wa[i].load(wh + (long)j * r + b * rc + (e % ncc) * 8);
     }
+#pragma unroll
+    for (int a = 0; a < MLA1_VR; a++)
+#pragma unroll
+        for (int z = 0; z < MLA1_VC; z++) {
+            const int jj = warp + MLA_WARPS * a, cq = lane + 32 * z;
+            wv[a][z].zero();
+            if (jj < vc && cq * 8 < r) wv[a][z].load(wh + (long)(nope + b * vc + jj) * r + cq * 8);
+        }
     if (tid < half) {
         const float2 a = mla_angle(inv_freq[tid], pos, rs);
         cs[tid] = a.x;
@@ -1538,7 +1499,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     if constexpr (!LAYER) di_trace_phase(7);
     pdl_wait();
 
-    const T* qh = q + ((long)t * heads + h) * qk;  // the first head's query; the next follows it
+    const T* qh = q + ((long)t * heads + h) * qk;
     const T* row = kva + (long)t * W;
     const int ro = (L.k + C - 1) / C, or0 = min(L.k, b * ro), nro = min(L.k, or0 + ro) - or0;
     if constexpr (LAYER) {
@@ -1552,18 +1513,16 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         cluster_sync();  // the cluster's query rows
     }
 
-    // The step's inputs, loaded together: the nope queries, the rope queries and, in the
-    // owner, the token's kv_a row.
-    float xn[HP], qx[HP], qy[HP], kx[2] = {0.0f, 0.0f}, ky = 0.0f, kz = 0.0f;
+    // The step's inputs, loaded together: the nope query, the rope query and, in the owner,
+    // the token's kv_a row.
+    float xn = 0.0f, qx = 0.0f, qy = 0.0f, kx[2] = {0.0f, 0.0f}, ky = 0.0f, kz = 0.0f;
     const int ia = interleaved ? 2 * tid : tid, ib = interleaved ? 2 * tid + 1 : tid + half;
-#pragma unroll
-    for (int e = 0; e < HP; e++) xn[e] = qx[e] = qy[e] = 0.0f;
     if constexpr (LAYER) {
         const int rq = L.rq;
-        if (tid < nope) xn[0] = cluster_ld(&qloc[tid % rq], tid / rq);
+        if (tid < nope) xn = cluster_ld(&qloc[tid % rq], tid / rq);
         if (tid < half) {
-            qx[0] = cluster_ld(&qloc[(nope + ia) % rq], (nope + ia) / rq);
-            qy[0] = cluster_ld(&qloc[(nope + ib) % rq], (nope + ib) / rq);
+            qx = cluster_ld(&qloc[(nope + ia) % rq], (nope + ia) / rq);
+            qy = cluster_ld(&qloc[(nope + ib) % rq], (nope + ib) / rq);
         }
         // every block's kv_a rows, before the owner reads the token's row
         if (owner) {
@@ -1572,13 +1531,10 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             __syncthreads();
         }
     } else {
-#pragma unroll
-        for (int e = 0; e < HP; e++) {
-            if (tid < nope) xn[e] = act_load(qh, (long)e * qk + tid);
-            if (tid < half) {
-                qx[e] = act_load(qh, (long)e * qk + nope + ia);
-                qy[e] = act_load(qh, (long)e * qk + nope + ib);
-            }
+        if (tid < nope) xn = act_load(qh, tid);
+        if (tid < half) {
+            qx = act_load(qh, nope + ia);
+            qy = act_load(qh, nope + ib);
         }
     }
     if (owner) {
@@ -1591,17 +1547,13 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         }
     }
     if (LAYER) di_trace_phase(6);
-#pragma unroll
-    for (int e = 0; e < HP; e++)
-        if (tid < nope) qn[e][tid] = xn[e];  // nope <= MLA_MAXNOPE = MLA1_THREADS
+    if (tid < nope) qn[tid] = xn;  // nope <= MLA_MAXNOPE = MLA1_THREADS
     __syncthreads();  // qn, cs, sn
-    if (tid < half)
-#pragma unroll
-        for (int e = 0; e < HP; e++) {
-            const float2 o = mla_rotate(qx[e], qy[e], cs[tid], sn[tid]);
-            qf[e][r + ia] = o.x * scale_log2;
-            qf[e][r + ib] = o.y * scale_log2;
-        }
+    if (tid < half) {
+        const float2 o = mla_rotate(qx, qy, cs[tid], sn[tid]);
+        qf[r + ia] = o.x * scale_log2;
+        qf[r + ib] = o.y * scale_log2;
+    }
     // The token's own cache row, rounded as the cache stores it.
     if (owner) {
         const float ss = block_sum(fmaf(kx[0], kx[0], kx[1] * kx[1]), red);
@@ -1629,8 +1581,7 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
     }
     // This block's absorbed columns: lanes of a warp with the same column chunk (lane % ncc)
     // add their rows, then the warps' sums meet in shared memory.
-#pragma unroll
-    for (int e = 0; e < HP; e++) {
+    {
         float acc[8];
 #pragma unroll
         for (int z = 0; z < 8; z++) acc[z] = 0.0f;
@@ -1639,8 +1590,8 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             const int j = (tid + i * MLA1_THREADS) / ncc;
             if (j < nope) {
                 float wf[8];
-                wa[e][i].get(wf);
-                const float x = qn[e][j];
+                wa[i].get(wf);
+                const float x = qn[j];
 #pragma unroll
                 for (int z = 0; z < 8; z++) acc[z] = fmaf(x, wf[z], acc[z]);
             }
@@ -1650,47 +1601,36 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             for (int z = 0; z < 8; z++) acc[z] += __shfl_xor_sync(0xffffffffu, acc[z], o);
         if (lane < ncc)
 #pragma unroll
-            for (int z = 0; z < 8; z++) buf[e][warp * MLA1_MAXRC + lane * 8 + z] = acc[z];
-    }
-    __syncthreads();
-    if (tid < HP * rc) {
-        const int e = tid / rc, c = tid % rc;
-        float s = 0.0f;
+            for (int z = 0; z < 8; z++) buf[warp * MLA1_MAXRC + lane * 8 + z] = acc[z];
+        __syncthreads();
+        if (tid < rc) {
+            float s = 0.0f;
 #pragma unroll
-        for (int w8 = 0; w8 < MLA_WARPS; w8++) s += buf[e][w8 * MLA1_MAXRC + c];
-        ql[e][c] = s;
+            for (int w8 = 0; w8 < MLA_WARPS; w8++) s += buf[w8 * MLA1_MAXRC + tid];
+            ql[tid] = s;
+        }
     }
     di_trace_phase(0);
     cluster_sync();
     {
-        float v2[HP][2];
+        float v2[2];
 #pragma unroll
-        for (int e = 0; e < HP; e++)
+        for (int i = 0; i < 2; i++) {
+            const int c = tid + i * MLA1_THREADS;
+            v2[i] = c < r ? cluster_ld(&ql[c % rc], c / rc) : 0.0f;
+        }
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int c = tid + i * MLA1_THREADS;
-                v2[e][i] = c < r ? cluster_ld(&ql[e][c % rc], c / rc) : 0.0f;
-            }
-#pragma unroll
-        for (int e = 0; e < HP; e++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-                if (tid + i * MLA1_THREADS < r) qf[e][tid + i * MLA1_THREADS] = v2[e][i] * scale_log2;
+        for (int i = 0; i < 2; i++)
+            if (tid + i * MLA1_THREADS < r) qf[tid + i * MLA1_THREADS] = v2[i] * scale_log2;
     }
 
     di_trace_phase(1);
     mla1_trigger<LAYER>(1);
     // This split's keys, a tile at a time (online softmax). Scores: warp w takes keys w + 8 i
-    // (KT / 8 of them together) of every head; outputs: thread tid owns latent columns 2 tid,
-    // 2 tid + 1 of every head.
+    // (KT / 8 of them together); outputs: thread tid owns latent columns 2 tid, 2 tid + 1.
     constexpr int KW = KT / MLA_WARPS;
     const int c0 = 2 * tid;
-    float m[HP], l[HP], o0[HP], o1[HP];
-#pragma unroll
-    for (int e = 0; e < HP; e++) {
-        m[e] = NEG_INF;
-        l[e] = o0[e] = o1[e] = 0.0f;
-    }
+    float m = NEG_INF, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
     for (int j0 = k0; j0 < k1; j0 += KT) {
         const int nk = min(KT, k1 - j0);
         if (j0 != k0) {
@@ -1702,106 +1642,71 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
             for (int c = tid; c < W; c += blockDim.x) act_store(&kt[pos - j0][0], c, nrow[c]);
         __syncthreads();
         {
-            float sk[HP][KW];
+            float sk[KW];
 #pragma unroll
-            for (int e = 0; e < HP; e++)
-#pragma unroll
-                for (int i = 0; i < KW; i++) sk[e][i] = 0.0f;
+            for (int i = 0; i < KW; i++) sk[i] = 0.0f;
 #pragma unroll 6
             for (int c = lane; c < W; c += 32) {
-                float x[HP];
+                const float x = qf[c];
 #pragma unroll
-                for (int e = 0; e < HP; e++) x[e] = qf[e][c];
-#pragma unroll
-                for (int i = 0; i < KW; i++) {
-                    const float kv = act_load(&kt[warp + MLA_WARPS * i][0], c);
-#pragma unroll
-                    for (int e = 0; e < HP; e++) sk[e][i] = fmaf(x[e], kv, sk[e][i]);
-                }
+                for (int i = 0; i < KW; i++) sk[i] = fmaf(x, act_load(&kt[warp + MLA_WARPS * i][0], c), sk[i]);
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-                for (int e = 0; e < HP; e++)
-#pragma unroll
-                    for (int i = 0; i < KW; i++) sk[e][i] += __shfl_xor_sync(0xffffffffu, sk[e][i], o);
+                for (int i = 0; i < KW; i++) sk[i] += __shfl_xor_sync(0xffffffffu, sk[i], o);
             if (lane == 0)
 #pragma unroll
-                for (int e = 0; e < HP; e++)
-#pragma unroll
-                    for (int i = 0; i < KW; i++) sc[e][warp + MLA_WARPS * i] = sk[e][i];  // rows past nk: unused
+                for (int i = 0; i < KW; i++) sc[warp + MLA_WARPS * i] = sk[i];  // rows past nk: unused
         }
         __syncthreads();
         // every thread takes the same maximum and sum in the same order; the weights once
-        float corr[HP];
-#pragma unroll
-        for (int e = 0; e < HP; e++) {
-            float mx = NEG_INF;
-            for (int kk = 0; kk < nk; kk++) mx = fmaxf(mx, sc[e][kk]);
-            const float mn = fmaxf(m[e], mx);
-            corr[e] = exp2f(m[e] - mn);
-            m[e] = mn;
-        }
-        if (tid < HP * KT) {
-            const int e = tid / KT, kk = tid % KT;
-            if (kk < nk) ps[e][kk] = exp2f(sc[e][kk] - m[e]);
-        }
+        float mx = NEG_INF;
+        for (int kk = 0; kk < nk; kk++) mx = fmaxf(mx, sc[kk]);
+        const float mn = fmaxf(m, mx);
+        const float corr = exp2f(m - mn);
+        if (tid < nk) ps[tid] = exp2f(sc[tid] - mn);
         __syncthreads();
-        float psum[HP];
-#pragma unroll
-        for (int e = 0; e < HP; e++) {
-            psum[e] = 0.0f;
-            o0[e] *= corr[e];
-            o1[e] *= corr[e];
-        }
+        float psum = 0.0f;
+        o0 *= corr;
+        o1 *= corr;
 #pragma unroll 8
         for (int kk = 0; kk < nk; kk++) {
-            float k0v = 0.0f, k1v = 0.0f;
+            const float p = ps[kk];
+            psum += p;
             if (c0 < r) {
-                k0v = act_load(&kt[kk][0], c0);
-                k1v = act_load(&kt[kk][0], c0 + 1);
-            }
-#pragma unroll
-            for (int e = 0; e < HP; e++) {
-                const float p = ps[e][kk];
-                psum[e] += p;
-                o0[e] = fmaf(p, k0v, o0[e]);
-                o1[e] = fmaf(p, k1v, o1[e]);
+                o0 = fmaf(p, act_load(&kt[kk][0], c0), o0);
+                o1 = fmaf(p, act_load(&kt[kk][0], c0 + 1), o1);
             }
         }
-#pragma unroll
-        for (int e = 0; e < HP; e++) l[e] = l[e] * corr[e] + psum[e];
+        l = l * corr + psum;
+        m = mn;
     }
-#pragma unroll
-    for (int e = 0; e < HP; e++) {
-        if (c0 < r) {
-            buf[e][c0] = o0[e];
-            buf[e][c0 + 1] = o1[e];
-        }
-        if (tid == 0) {
-            ml[e][0] = m[e];
-            ml[e][1] = l[e];
-        }
+    if (c0 < r) {
+        buf[c0] = o0;
+        buf[c0 + 1] = o1;
+    }
+    if (tid == 0) {
+        ml[0] = m;
+        ml[1] = l;
     }
     di_trace_phase(2);
     mla1_trigger<LAYER>(2);
-    if (ofold) mla1_o_stage(ows, L.wo, L.wo_row_bytes, h * v, HP * v, or0, nro);
     cluster_sync();
-    // The splits merged in rank order; every block gets each head's whole latent output. All
-    // the cluster's values are asked for before any is used.
-#pragma unroll
-    for (int e = 0; e < HP; e++) {
+    // The splits merged in rank order; every block gets the whole latent output. All the
+    // cluster's values are asked for before any is used.
+    {
         float ms[MLA1_MAXC], ls[MLA1_MAXC], b0[MLA1_MAXC], b1[MLA1_MAXC];
 #pragma unroll
         for (int s = 0; s < MLA1_MAXC; s++) {
             ms[s] = NEG_INF;
             ls[s] = b0[s] = b1[s] = 0.0f;
             if (s < C) {
-                ms[s] = cluster_ld(&ml[e][0], s);
-                ls[s] = cluster_ld(&ml[e][1], s);
+                ms[s] = cluster_ld(&ml[0], s);
+                ls[s] = cluster_ld(&ml[1], s);
                 if (c0 < r) {
-                    b0[s] = cluster_ld(&buf[e][c0], s);
-                    b1[s] = cluster_ld(&buf[e][c0 + 1], s);
+                    b0[s] = cluster_ld(&buf[c0], s);
+                    b1[s] = cluster_ld(&buf[c0 + 1], s);
                 }
             }
         }
@@ -1818,57 +1723,44 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
         }
         const float inv_l = lsum > 0.0f ? 1.0f / lsum : 0.0f;
         if (c0 < r) {
-            qf[e][c0] = a0 * inv_l;
-            qf[e][c0 + 1] = a1 * inv_l;
+            qf[c0] = a0 * inv_l;
+            qf[c0 + 1] = a1 * inv_l;
         }
     }
     __syncthreads();
     di_trace_phase(3);
     mla1_trigger<LAYER>(3);
-    // This block's V rows of every head: warp rows warp + 8 a, lanes over 8-value chunks of
-    // the row.
+    // This block's V rows: warp rows warp + 8 a, lanes over 8-value chunks of the row.
 #pragma unroll
-    for (int e = 0; e < HP; e++)
+    for (int a = 0; a < MLA1_VR; a++) {
+        const int jj = warp + MLA_WARPS * a;
+        if (jj >= vc) continue;
+        float s = 0.0f;
 #pragma unroll
-        for (int a = 0; a < MLA1_VR; a++) {
-            const int jj = warp + MLA_WARPS * a;
-            if (jj >= vc) continue;
-            float s = 0.0f;
+        for (int z = 0; z < MLA1_VC; z++) {
+            const int cq = lane + 32 * z;
+            if (cq * 8 < r) {
+                float wf[8];
+                wv[a][z].get(wf);
 #pragma unroll
-            for (int z = 0; z < MLA1_VC; z++) {
-                const int cq = lane + 32 * z;
-                if (cq * 8 < r) {
-                    float wf[8];
-                    wv[e][a][z].get(wf);
-#pragma unroll
-                    for (int x = 0; x < 8; x++) s = fmaf(wf[x], qf[e][cq * 8 + x], s);
-                }
-            }
-            s = warp_sum(s);
-            if (lane == 0) {
-                act_store(out, ((long)t * heads + h + e) * v + b * vc + jj, s);
-                if (OPROD) vloc[e * MLA1_MAXVR + jj] = act_round(out, s);
+                for (int e = 0; e < 8; e++) s = fmaf(wf[e], qf[cq * 8 + e], s);
             }
         }
+        s = warp_sum(s);
+        if (lane == 0) {
+            act_store(out, ((long)t * heads + h) * v + b * vc + jj, s);
+            if (LAYER) vloc[jj] = act_round(out, s);
+        }
+    }
     di_trace_phase(4);
-    if (LAYER || ofold) {
-        cluster_sync();  // the head group's V output, gathered for the o product
-        for (int x = tid; x < HP * v; x += blockDim.x) {
-            const int e = x / v, j = x % v;
-            vfull[x] = cluster_ld(&vloc[e * MLA1_MAXVR + j % vc], j / vc);
-        }
+    if constexpr (LAYER) {
+        cluster_sync();  // the head's V output, gathered for the o product
+        for (int e = tid; e < v; e += blockDim.x) vfull[e] = cluster_ld(&vloc[e % vc], e / vc);
     }
     // No block leaves while the cluster may still read its shared memory.
     cluster_sync();
-    if (ofold) {
-        cp_async_wait_all();  // the o rows
-        __syncthreads();
-        mla1_o<T, true>(L, vfull, &oflag, blockIdx.y, gridDim.y, b, HP * v, or0, nro, ows, (long)HP * v * 2);
-    }
     if constexpr (LAYER) {
-        if (L.wo != nullptr)
-            mla1_o<T, false>(L, vfull, &oflag, h, heads, b, v, or0, nro,
-                             L.wo + (long)or0 * L.wo_row_bytes + (long)h * v * 2, L.wo_row_bytes);
+        if (L.wo != nullptr) mla1_o<T>(L, vfull, &oflag, h, heads, b, v, or0, nro);
         di_trace_phase(7);
         if (tid == 0 && atomicAdd(&L.cnt[1], 1u) == (u32)(nblocks - 1)) {
             L.cnt[0] = 0u;
@@ -1963,37 +1855,6 @@ __device__ void mla_dec1_impl(T* out, const T* q, const T* kva, const WT* w, T* 
 
 MLA_WRAPPERS(float, f32)
 MLA_WRAPPERS(bf16_t, bf16)
-
-// `mla_dec1` with two heads a cluster (bf16 weights and cache; see mla_dec1_impl's HP). Grid
-// (C, heads / 2, tokens); dynamic shared memory: one key tile (32 x MLA_MAXW bf16 values).
-extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1p_wbf16_bf16(
-    bf16_t* out, const bf16_t* q, const bf16_t* kva, const bf16_t* w, bf16_t* cache, const float* gain,
-    const float* inv_freq, const long* slots, const int* positions, const int* tok_seq, const int* tables,
-    int table_width, int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,
-    float scale_log2) {
-    mla1_trigger<false>(0);
-    mla_dec1_impl<bf16_t, bf16_t, false, 2>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq, tables,
-                                            table_width, block_size, heads, nope, dr, v, r, eps, rs, interleaved,
-                                            scale_log2, Mla1Layer<bf16_t>{});
-}
-
-// `mla_dec1p` with the o product and its residual add folded in (mla_dec1_impl's OFOLD), the
-// arguments of mla_layer1 (the q / kv_a ones unused). Dynamic shared memory: the key tile, then
-// the block's o rows (k / C rows of 2 v bf16 values).
-extern "C" __global__ void __launch_bounds__(MLA1_THREADS) mla_dec1po_wbf16_bf16(
-    bf16_t* out, const bf16_t* q, const bf16_t* kva, const bf16_t* w, bf16_t* cache, const float* gain,
-    const float* inv_freq, const long* slots, const int* positions, const int* tok_seq, const int* tables,
-    int table_width, int block_size, int heads, int nope, int dr, int v, int r, float eps, float rs, int interleaved,
-    float scale_log2, const bf16_t* x, const float* ngain, float neps, bf16_t* hn, const u8* wq, const u8* wk,
-    long row_bytes, int k, int rq, int rk, const u8* wo, long wo_row_bytes, bf16_t* oy, bf16_t* res, float* part,
-    u32* cnt) {
-    mla1_trigger<false>(0);
-    const Mla1Layer<bf16_t> L{x, ngain, neps, hn, wq, wk, row_bytes, k, rq, rk, wo, wo_row_bytes, oy, res, part,
-                              cnt};
-    mla_dec1_impl<bf16_t, bf16_t, false, 2, true>(out, q, kva, w, cache, gain, inv_freq, slots, positions, tok_seq,
-                                                  tables, table_width, block_size, heads, nope, dr, v, r, eps, rs,
-                                                  interleaved, scale_log2, L);
-}
 
 // `mla_dec1` with the layer's attention half around it (Mla1Layer): bf16 activations and
 // weights, one token. Dynamic shared memory: the input in f32 (4 k bytes).

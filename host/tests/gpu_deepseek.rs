@@ -339,16 +339,15 @@ mod gpu {
             let mut rng = Rng::fresh("mla");
             // 5 heads (a partial head group) and 21 heads (two groups); odd latent widths
             // (the three-launch kernels only); latents of 64 and 32, whose decode steps take
-            // the fused kernel (clusters of 8 and 4; 4 heads for pairs of heads), and
-            // Moonlight's head shape; the ds2 kernels (the default), the earlier ones, and the
-            // three launches instead of the fused one
+            // the fused kernel (clusters of 8 and 4), and Moonlight's head shape; the ds2
+            // kernels (the default), the earlier ones, and the three launches instead of the
+            // fused one
             let moon = moonlight_heads();
             let shapes = [
                 small_heads(5, 40),
                 small_heads(21, 72),
                 small_heads(5, 64),
                 small_heads(3, 32),
-                small_heads(4, 64),
                 // a nope of 32 over a latent of 128, 3 heads: the tensor-core kernels' smaller
                 // shapes and a partial head group
                 MlaDims {
@@ -366,9 +365,6 @@ mod gpu {
             // the prompt variant (4 tokens a block) is the default for the prefill's 368 tokens
             // of 3 sequences (its first block spanning two of them); without it, a token a block
             let decode1 = cuda_set(act, |o| o.decode_mma4 = false);
-            // two heads a cluster in the fused decode kernel (bf16 kv_b and cache, even head
-            // counts; the others keep one head a cluster)
-            let pairs = cuda_set(act, |o| o.mla1_pair = Some(true));
             for dims in shapes {
                 let (heads, latent) = (dims.heads, dims.latent);
                 let c = mla_case_of(&mut rng, dims);
@@ -404,9 +400,6 @@ mod gpu {
                         // Moonlight's heads (every context row new), the absorbed one elsewhere
                         (&be, MlaPath::Auto, "form by cost"),
                     ];
-                    if act == Act::Bf16 && *kvb == "bf16 kv_b" {
-                        runs.push((&pairs, absorbed, "two heads a cluster"));
-                    }
                     if act == Act::Bf16 && *kvb == "bf16 kv_b" && dims.nope == 128 {
                         // the expanded form for every step: the chunk's gathers its cached rows
                         runs.push((&be, MlaPath::Expanded, "expanded form"));
@@ -526,12 +519,6 @@ mod gpu {
             return;
         };
         let apart = cuda_layer(Some(Act::Bf16), true, true, true, false).expect("a second backend");
-        // two heads a cluster with the o product and its add folded in (`mla_dec1po`; heads
-        // of an even count)
-        let pair_o = cuda_set(Act::Bf16, |o| {
-            o.mla1_pair = Some(true);
-            o.mla1_fold_o = true;
-        });
         // why a step would not take the fused launch, if it does not
         let _ = tracing_subscriber::fmt()
             .with_env_filter("deepinfer::backend::cuda=debug")
@@ -563,26 +550,19 @@ mod gpu {
                 ],
             };
             let cpu = CpuBackend::new(2);
-            let (wc, wf, wa, wp) = (
+            let (wc, wf, wa) = (
                 prepare_half(&cpu, &host),
                 prepare_half(&fused, &host),
                 prepare_half(&apart, &host),
-                prepare_half(&pair_o, &host),
             );
             let mut kvc = cpu.new_mla_kv(1, 64, 8, width).unwrap();
             let mut kvf = fused.new_mla_kv(1, 64, 8, width).unwrap();
             let mut kva = apart.new_mla_kv(1, 64, 8, width).unwrap();
-            let mut kvp = pair_o.new_mla_kv(1, 64, 8, width).unwrap();
             let table: Vec<u32> = (10..24).rev().collect();
             // a prompt of 67 tokens (the separate launches in both), then 5 decode steps
             let mut steps = vec![(0usize, 67usize)];
             steps.extend((67..72).map(|pos| (pos, 1)));
-            let (no_ops, of, oa, op) = (
-                || 0,
-                || fused.stats().ops,
-                || apart.stats().ops,
-                || pair_o.stats().ops,
-            );
+            let (no_ops, of, oa) = (|| 0, || fused.stats().ops, || apart.stats().ops);
             for (pos, n) in steps {
                 let mut b = Batch::default();
                 b.push(&vec![1; n], pos, table.clone(), true);
@@ -590,7 +570,6 @@ mod gpu {
                 let (want, _) = attn_half(&cpu, &wc, &p, &mut kvc, &b, &x, hidden, &no_ops);
                 let (got, nf) = attn_half(&fused, &wf, &p, &mut kvf, &b, &x, hidden, &of);
                 let (base, na) = attn_half(&apart, &wa, &p, &mut kva, &b, &x, hidden, &oa);
-                let (po, np) = attn_half(&pair_o, &wp, &p, &mut kvp, &b, &x, hidden, &op);
                 for (i, what) in ["stream", "normalized input", "o product"]
                     .iter()
                     .enumerate()
@@ -599,21 +578,13 @@ mod gpu {
                         max_err(&got[i], &base[i], hidden),
                         max_err(&got[i], &want[i], hidden),
                     );
-                    let (ep, epc) = (
-                        max_err(&po[i], &base[i], hidden),
-                        max_err(&po[i], &want[i], hidden),
-                    );
                     eprintln!(
-                        "{} heads, hidden {hidden}, {n} tokens at {pos}, {what}: fused vs separate {e:.2e}, vs CPU {ec:.2e} ({nf} against {na} ops); pairs with the o product {ep:.2e}, vs CPU {epc:.2e} ({np} ops)",
+                        "{} heads, hidden {hidden}, {n} tokens at {pos}, {what}: fused vs separate {e:.2e}, vs CPU {ec:.2e} ({nf} against {na} ops)",
                         dims.heads
                     );
                     assert!(
                         e < 3e-2 && ec < 5e-2,
                         "{what}, {n} tokens at {pos}: {e:e} {ec:e}"
-                    );
-                    assert!(
-                        ep < 3e-2 && epc < 5e-2,
-                        "pairs with the o product: {what}, {n} tokens at {pos}: {ep:e} {epc:e}"
                     );
                 }
                 if n == 1 {
@@ -623,15 +594,8 @@ mod gpu {
                         nf + 2 <= na,
                         "{n} tokens at {pos}: the fused layer launch ran"
                     );
-                    // the o product (with its add) folded into the pairs' launch
-                    if dims.heads % 2 == 0 {
-                        assert_eq!(np + 1, na, "{n} tokens at {pos}: the o product folded");
-                    } else {
-                        assert_eq!(np, na, "odd heads keep one head a cluster");
-                    }
                 } else {
                     assert_eq!(nf, na, "a prompt takes the separate launches");
-                    assert_eq!(np, na, "a prompt takes the separate launches");
                 }
             }
         }

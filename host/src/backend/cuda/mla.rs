@@ -154,71 +154,6 @@ fn cluster_for(d: &crate::model::mla::MlaDims) -> Option<usize> {
     })
 }
 
-/// The two-heads-a-cluster kernel (`mla_dec1p`) and its dynamic shared memory where it takes
-/// this step (bf16 weights and cache, an even head count, its tile's shared memory granted)
-/// and is asked for: always or never by `CudaOptions::mla1_pair`, by default where the device
-/// holds fewer `c`-block clusters of `mla_dec1` at once than the step has (token, head) pairs.
-fn pair_kernel(
-    inner: &Inner,
-    k: &super::module::DeepseekKernels,
-    wi: usize,
-    heads: usize,
-    n: usize,
-    c: usize,
-) -> Option<(super::module::KernelId, u32)> {
-    let kernel = k
-        .mla_dec1p
-        .filter(|_| wi == 1 && k.mla_dec1p_smem > 0 && heads.is_multiple_of(2))?;
-    let held = match c {
-        2 => k.mla_dec1_clusters[0],
-        4 => k.mla_dec1_clusters[1],
-        _ => k.mla_dec1_clusters[2],
-    } as usize;
-    let wanted = inner.opts.mla1_pair.unwrap_or(held > 0 && n * heads > held);
-    wanted.then_some((kernel, k.mla_dec1p_smem))
-}
-
-/// The pairs' launch with the o product to be folded in (`mla_dec1po`, `CudaOptions::
-/// mla1_fold_o`): one token, its V width doubled at most [`L_MAX_V`] and a multiple of 8, the
-/// kernel's shared memory raised; the o weights, their rows, the output and the residual wait
-/// for [`fold_o`] and [`fold_add`] (until then it runs as `mla_dec1p`).
-fn pair_o_launch(
-    inner: &Arc<Inner>,
-    k: &super::module::DeepseekKernels,
-    heads: usize,
-    n: usize,
-    v: usize,
-) -> Result<Option<LayerLaunch>> {
-    let Some(kernel) = k.mla_dec1po else {
-        return Ok(None);
-    };
-    if !inner.opts.mla1_fold_o
-        || n != 1
-        || k.mla_dec1po_smem == 0
-        || 2 * v > L_MAX_V
-        || !v.is_multiple_of(8)
-    {
-        return Ok(None);
-    }
-    let Some(cnt) = inner.layer_counters() else {
-        return Ok(None);
-    };
-    let part = inner.scratch(heads / 2 * PO_MAX_HIDDEN, 4)?;
-    // the q / kv_a fields unused; the hidden width, the o weights, their row bytes, the output
-    // and the residual: [`fold_o`], [`fold_add`]
-    let mut args = vec![0u64; L_ARGS - DEC1_ARGS];
-    args[L_ARGS - DEC1_ARGS - 2] = part.ptr();
-    args[L_ARGS - DEC1_ARGS - 1] = cnt;
-    Ok(Some(LayerLaunch {
-        kernel,
-        smem: super::module::MLA_DEC1P_SMEM as u32,
-        args,
-    }))
-}
-
-/// Widest hidden state `mla_dec1po` folds an o product of (its partial sums' scratch).
-const PO_MAX_HIDDEN: usize = 8192;
-
 /// Most blocks of a fused decode launch (4 waves of the H200's 132 SMs; so at most 264
 /// tokens, well inside a grid's z).
 const FUSED_MAX_BLOCKS: usize = 4 * 132;
@@ -365,41 +300,19 @@ fn fold_qkv(
     }))
 }
 
-/// The fused launch just queued that an o product and a residual add fold into, if that is
-/// the last op: `mla_layer1`, or `mla_dec1po` (`po`; its hidden width is the o product's, its
-/// shared memory grows by its o rows).
-struct Folding<'a> {
-    args: &'a mut Vec<u64>,
-    smem: &'a mut u32,
-    cluster: usize,
-    po: bool,
-}
-
-fn last_layer<'a>(inner: &Inner, queue: &'a mut super::queue::Queue) -> Option<Folding<'a>> {
-    let ds = &inner.module.deepseek[1];
+/// The arguments of the fused layer launch just queued, if that is the last op.
+fn last_layer<'a>(inner: &Inner, queue: &'a mut super::queue::Queue) -> Option<&'a mut Vec<u64>> {
+    let kernel = inner.module.deepseek[1].mla_layer1?;
     match queue.last_mut() {
         Some(Op::Cluster {
-            kernel,
-            args,
-            smem,
-            cluster,
-            ..
-        }) if args.len() == L_ARGS => {
-            let po = Some(*kernel) == ds.mla_dec1po;
-            (po || Some(*kernel) == ds.mla_layer1).then_some(Folding {
-                args,
-                smem,
-                cluster: *cluster as usize,
-                po,
-            })
-        }
+            kernel: k, args, ..
+        }) if *k == kernel && args.len() == L_ARGS => Some(args),
         _ => None,
     }
 }
 
-/// Folds the o product `y = w x` (one token) into the fused launch just queued when `x` is
-/// its attention output and `w` the bf16 matrix of its shape (and, for `mla_dec1po`, its rows
-/// fit the shared memory); true when it did.
+/// Folds the o product `y = w x` (one token) into the fused layer launch just queued when `x`
+/// is its attention output and `w` the bf16 matrix of its shape; true when it did.
 pub(crate) fn fold_o(
     inner: &Inner,
     queue: &mut super::queue::Queue,
@@ -408,12 +321,14 @@ pub(crate) fn fold_o(
     n: usize,
     y: u64,
 ) -> bool {
-    let Some(f) = last_layer(inner, queue) else {
+    let Some(args) = last_layer(inner, queue) else {
         return false;
     };
-    let args = f.args;
-    let (heads, v) = (args[A_HEADS] as usize, args[A_V] as usize);
-    let hidden = if f.po { w.rows } else { args[L_K] as usize };
+    let (heads, v, hidden) = (
+        args[A_HEADS] as usize,
+        args[A_V] as usize,
+        args[L_K] as usize,
+    );
     if n != 1
         || args[L_WO] != 0
         || args[0] != x
@@ -425,32 +340,22 @@ pub(crate) fn fold_o(
     {
         return false;
     }
-    if f.po {
-        // the key tile, then k / C rows of the pair's 2 v columns
-        let smem = super::module::MLA_DEC1P_SMEM + hidden.div_ceil(f.cluster.max(1)) * 2 * v * 2;
-        if hidden > PO_MAX_HIDDEN || smem > inner.module.deepseek[1].mla_dec1po_smem as usize {
-            return false;
-        }
-        args[L_K] = hidden as u64;
-        *f.smem = smem as u32;
-    }
     args[L_WO] = w.ptr();
     args[L_WO + 1] = w.row_bytes as u64;
     args[L_OY] = y;
     true
 }
 
-/// Folds `res += y` (`n` values) into the fused launch just queued when `y` is its o product;
-/// true when it did.
+/// Folds `res += y` (`n` values) into the fused layer launch just queued when `y` is its o
+/// product; true when it did.
 pub(crate) fn fold_add(inner: &Arc<Inner>, res: u64, y: u64, n: usize) -> bool {
     if !(inner.opts.fuse && inner.opts.fuse_add) {
         return false;
     }
     let mut queue = inner.queue();
-    let Some(f) = last_layer(inner, &mut queue) else {
+    let Some(args) = last_layer(inner, &mut queue) else {
         return false;
     };
-    let args = f.args;
     if args[L_OY] != y || args[L_RES] != 0 || n != args[L_K] as usize || res == y {
         return false;
     }
@@ -591,25 +496,16 @@ pub(crate) fn attention(
             f(p.scale * std::f32::consts::LOG2_E),
         ];
         debug_assert_eq!(args.len(), DEC1_ARGS);
-        let (kernel, smem, groups) = match layer {
+        let (kernel, smem) = match layer {
             Some(l) => {
                 args.extend_from_slice(&l.args);
-                (l.kernel, l.smem, heads)
+                (l.kernel, l.smem)
             }
-            None => match pair_kernel(inner, k, wi, heads, n, c) {
-                Some((kernel, smem)) => match pair_o_launch(inner, k, heads, n, d.v)? {
-                    Some(l) => {
-                        args.extend_from_slice(&l.args);
-                        (l.kernel, l.smem, heads / 2)
-                    }
-                    None => (kernel, smem, heads / 2),
-                },
-                None => (k.mla_dec1[wi], 0, heads),
-            },
+            None => (k.mla_dec1[wi], 0),
         };
         inner.push(Op::Cluster {
             kernel,
-            grid: [c as u32, groups as u32, n as u32],
+            grid: [c as u32, heads as u32, n as u32],
             block: 256,
             cluster: c as u32,
             smem,

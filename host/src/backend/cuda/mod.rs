@@ -154,18 +154,6 @@ pub struct CudaOptions {
     /// (`mla_dec1`: query absorption, the cache write, attention, the split merge and the V
     /// up-projection) instead of three (sm_90+).
     pub fuse_mla: bool,
-    /// Two heads a cluster in that launch (`mla_dec1p`: each key tile loaded once for both;
-    /// bf16 weights and cache): `None` (the default) where the device holds fewer clusters of
-    /// one head than the step has heads (the H100: 15 clusters of 8 at one block an SM for
-    /// Moonlight's 16 heads, so one cluster ran on SMs another held); `Some(true)` / `Some(false)`
-    /// always / never (`DEEPINFER_CUDA_MLA1_PAIR=1|0|auto`).
-    pub mla1_pair: Option<bool>,
-    /// Where a one-token step takes the pairs, the o product and its residual add folded into
-    /// that launch (`mla_dec1po`: each block copies its o rows into shared memory after the
-    /// attention's splits; the last of a row chunk's blocks adds the head groups' partial
-    /// sums), one launch and its boundary fewer a layer (`DEEPINFER_CUDA_MLA1_FOLD_O=1`; off
-    /// by default until measured).
-    pub mla1_fold_o: bool,
     /// One-token bf16 decode steps run a layer's whole attention half in that launch
     /// (`mla_layer1`: the RMSNorm and the q / kv_a products before it, the o product and the
     /// residual add after it) where the device holds all its clusters at once. Off by
@@ -426,8 +414,6 @@ impl Default for CudaOptions {
             fuse_moe: true,
             ds2: Ds2::DEFAULT,
             fuse_mla: true,
-            mla1_pair: None,
-            mla1_fold_o: false,
             fuse_layer: false,
             moe_mma: true,
             mla_mma: true,
@@ -528,16 +514,6 @@ impl CudaOptions {
         }
         o.fuse_moe = !off("DEEPINFER_CUDA_FUSE_MOE");
         o.fuse_mla = !off("DEEPINFER_CUDA_FUSE_MLA");
-        o.mla1_pair = match std::env::var("DEEPINFER_CUDA_MLA1_PAIR").ok().as_deref() {
-            None | Some("") | Some("auto") => None,
-            Some("1") => Some(true),
-            Some("0") => Some(false),
-            Some(other) => {
-                return Err(Error::BadConfig(format!(
-                    "DEEPINFER_CUDA_MLA1_PAIR={other}: expected 0, 1 or auto"
-                )))
-            }
-        };
         o.moe_mma = !off("DEEPINFER_CUDA_MOE_MMA");
         o.mla_mma = !off("DEEPINFER_CUDA_MLA_MMA");
         o.absorb_mma = !off("DEEPINFER_CUDA_ABSORB_MMA");
@@ -549,7 +525,6 @@ impl CudaOptions {
             Ok(())
         };
         switch("DEEPINFER_CUDA_GEMVPS", &mut o.gemvp_swiglu)?;
-        switch("DEEPINFER_CUDA_MLA1_FOLD_O", &mut o.mla1_fold_o)?;
         match std::env::var("DEEPINFER_CUDA_CLUSTER_POLICY")
             .ok()
             .as_deref()

@@ -378,18 +378,6 @@ pub struct DeepseekKernels {
     /// The three MLA kernels in one cluster launch for decode steps of one token a sequence
     /// (`CudaOptions::fuse_mla`), by weight type.
     pub mla_dec1: [KernelId; 2],
-    /// `mla_dec1` with two heads a cluster (bf16 weights and cache only;
-    /// `CudaOptions::mla1_pair`), the dynamic shared memory it asks for (its key tile; 0
-    /// where the limit could not be raised: then it is not used), and how many clusters of 2,
-    /// 4 and 8 blocks of `mla_dec1` (one head a cluster) the device holds at once.
-    pub mla_dec1p: Option<KernelId>,
-    pub mla_dec1p_smem: u32,
-    pub mla_dec1_clusters: [u32; 3],
-    /// `mla_dec1p` with the o product and its residual add folded in
-    /// (`CudaOptions::mla1_fold_o`; `mla_layer1`'s arguments) and the most dynamic shared
-    /// memory it may ask for (its key tile and its o rows; 0: not used).
-    pub mla_dec1po: Option<KernelId>,
-    pub mla_dec1po_smem: u32,
     /// `mla_dec1` with the layer's attention half around it (`CudaOptions::fuse_layer`; bf16
     /// activations and weights only).
     pub mla_layer1: Option<KernelId>,
@@ -742,19 +730,6 @@ impl Module {
                 mla_v_up: [n("mla_v_up_wf32")?, n("mla_v_up_wbf16")?],
                 mla_v_up2: [n("mla_v_up2_wf32")?, n("mla_v_up2_wbf16")?],
                 mla_dec1: [n("mla_dec1_wf32")?, n("mla_dec1_wbf16")?],
-                mla_dec1p: if s == "bf16" {
-                    Some(n("mla_dec1p_wbf16")?)
-                } else {
-                    None
-                },
-                mla_dec1p_smem: 0,
-                mla_dec1_clusters: [0; 3],
-                mla_dec1po: if s == "bf16" {
-                    Some(n("mla_dec1po_wbf16")?)
-                } else {
-                    None
-                },
-                mla_dec1po_smem: 0,
                 mla_layer1: if s == "bf16" {
                     Some(n("mla_layer1")?)
                 } else {
@@ -914,28 +889,6 @@ impl Module {
                     }
                 }
             }
-            // the clusters of the bf16-weight kernel (static shared memory only), and the pair
-            // kernel's key tile
-            let single = funcs[ds.mla_dec1[1].0 as usize].cu_function();
-            ds.mla_dec1_clusters = cluster_occupancy(single, 0);
-            if let Some(k) = ds.mla_dec1p {
-                let f = funcs[k.0 as usize].cu_function();
-                ds.mla_dec1p_smem = raise_dyn_smem(f, max_smem, MLA_DEC1P_SMEM)
-                    .filter(|&s| s as usize == MLA_DEC1P_SMEM)
-                    .unwrap_or(0);
-            }
-            if let Some(k) = ds.mla_dec1po {
-                let f = funcs[k.0 as usize].cu_function();
-                ds.mla_dec1po_smem = raise_dyn_smem(f, max_smem, usize::MAX)
-                    .filter(|&s| s as usize >= MLA_DEC1P_SMEM)
-                    .unwrap_or(0);
-            }
-            tracing::debug!(
-                "mla_dec1: clusters of 2 / 4 / 8 held at once {:?}; pair kernel's tile {} bytes, with the o product at most {}",
-                ds.mla_dec1_clusters,
-                ds.mla_dec1p_smem,
-                ds.mla_dec1po_smem
-            );
             if let Some(k) = ds.mla_layer1 {
                 (ds.mla_layer1_smem, ds.mla_layer1_clusters) =
                     layer_occupancy(funcs[k.0 as usize].cu_function(), max_smem);
@@ -997,10 +950,6 @@ impl Module {
 /// The dynamic shared memory `mla_layer1` may have (its f32 input: hidden widths up to 8,192).
 const MLA_LAYER1_SMEM: usize = 32 * 1024;
 
-/// The dynamic shared memory of `mla_dec1p`: one key tile of 32 cache rows of at most 576 bf16
-/// values (`MLA_MAXW`).
-pub const MLA_DEC1P_SMEM: usize = 32 * 576 * 2;
-
 /// Raises `f`'s dynamic shared memory limit to what the device has beside its static shared
 /// memory, at most `cap` bytes: the limit set, or `None` where a call fails.
 fn raise_dyn_smem(f: sys::CUfunction, max_smem: usize, cap: usize) -> Option<u32> {
@@ -1043,19 +992,13 @@ fn blocks_per_sm(f: sys::CUfunction, threads: u32, smem: u32) -> u32 {
 }
 
 /// Raises `f`'s (`mla_layer1`'s) dynamic shared memory limit to [`MLA_LAYER1_SMEM`] and asks
-/// how many of its clusters with that much the device holds at once ([`cluster_occupancy`]):
-/// (limit, clusters), zeros where a call fails or the device has too little (the fused layer
-/// launch is then not used).
+/// how many clusters of 2, 4 and 8 blocks of 256 threads with that much the device holds at
+/// once: (limit, clusters), zeros where a call fails or the device has too little (the fused
+/// layer launch is then not used).
 fn layer_occupancy(f: sys::CUfunction, max_smem: usize) -> (u32, [u32; 3]) {
-    match raise_dyn_smem(f, max_smem, MLA_LAYER1_SMEM) {
-        Some(fill) => (fill, cluster_occupancy(f, fill)),
-        None => (0, [0; 3]),
-    }
-}
-
-/// How many clusters of 2, 4 and 8 blocks of 256 threads of `f`, each with `smem` bytes of
-/// dynamic shared memory, the device holds at once (0 where a call fails).
-fn cluster_occupancy(f: sys::CUfunction, smem: u32) -> [u32; 3] {
+    let Some(fill) = raise_dyn_smem(f, max_smem, MLA_LAYER1_SMEM) else {
+        return (0, [0; 3]);
+    };
     let mut clusters = [0u32; 3];
     for (c, out) in [2u32, 4, 8].into_iter().zip(clusters.iter_mut()) {
         // SAFETY: all-zero is a valid launch attribute; the one set is the cluster shape.
@@ -1070,7 +1013,7 @@ fn cluster_occupancy(f: sys::CUfunction, smem: u32) -> [u32; 3] {
             blockDimX: 256,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: smem,
+            sharedMemBytes: fill,
             hStream: std::ptr::null_mut(),
             attrs: &mut attr,
             numAttrs: 1,
@@ -1080,7 +1023,7 @@ fn cluster_occupancy(f: sys::CUfunction, smem: u32) -> [u32; 3] {
         let ok = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &cfg) }.result();
         *out = if ok.is_ok() { n.max(0) as u32 } else { 0 };
     }
-    clusters
+    (fill, clusters)
 }
 
 #[cfg(test)]
@@ -1116,8 +1059,6 @@ mod tests {
             "mla_decode2_bf16",
             "mla_dec1_wbf16_bf16",
             "mla_dec1_wf32_f32",
-            "mla_dec1p_wbf16_bf16",
-            "mla_dec1po_wbf16_bf16",
             "mla_layer1_bf16",
             "moe_gateup_wbf16_t8_bf16",
             "moe_plan",
