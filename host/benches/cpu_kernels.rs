@@ -9,6 +9,7 @@
 //!   cost (FLOPs counted once, for the 64 tokens).
 //! - `decode_step/*`: all matvecs of one decode step over distinct weights (~96 MB): the
 //!   time per token the matmuls cost when weights stream from L3/DRAM.
+//! - `attention/*`: one decode token's attention in every layer over a 256-token context.
 //! - `overhead/*`: fixed costs of a pool job and of a tiny matvec.
 //! - `isa/*`: one matvec shape on every instruction-set level this CPU has.
 //!
@@ -17,10 +18,13 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use deepinfer::backend::cpu::attention::{paged_attention, AttnParams};
+use deepinfer::backend::cpu::kv::PagedKv;
 use deepinfer::backend::cpu::matmul::{matmul, matmul_with_isa};
 use deepinfer::backend::cpu::matmul16::{matmul16, supports};
 use deepinfer::backend::cpu::pool::ThreadPool;
 use deepinfer::backend::cpu::quant::Isa;
+use deepinfer::model::batch::Batch;
 use deepinfer::tensor::{Bytes, DType, Weight};
 
 /// (name, dtype, rows, cols) of the default model's matrices.
@@ -151,6 +155,42 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
     drop(step);
+
+    // One decode token's attention over a 256-token context in each of the 30 layers (9 query
+    // heads over 3 KV heads of 64, f32 cache in 16-token blocks: 11.8 MB, so from L3/DRAM as
+    // in a step).
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(20);
+    let (layers, ctx, kv_heads, hd) = (30usize, 256usize, 3usize, 64usize);
+    let mut kv = PagedKv::new(layers, ctx / 16, 16, kv_heads, hd);
+    for l in 0..layers {
+        let (k, v) = kv.layer_mut(l);
+        k.copy_from_slice(&activations(k.len()));
+        v.copy_from_slice(&activations(v.len()));
+    }
+    let p = AttnParams {
+        n_heads: 9,
+        n_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: 0.125,
+        window: None,
+    };
+    let mut batch = Batch::default();
+    batch.push(&[1], ctx - 1, (0..(ctx / 16) as u32).collect(), true);
+    let q = activations(9 * hd);
+    let mut out = vec![0f32; 9 * hd];
+    g.throughput(Throughput::BytesDecimal(
+        (layers * ctx * kv_heads * hd * 2 * 4) as u64,
+    ));
+    g.bench_function("decode_30_layers_ctx256", |b| {
+        b.iter(|| {
+            for l in 0..layers {
+                paged_attention(&pool, &p, &batch, &q, &kv, l, &mut out);
+            }
+        })
+    });
+    g.finish();
+    drop(kv);
 
     // Fixed costs: an empty two-task job, and a matvec small enough to be all overhead.
     let mut g = c.benchmark_group("overhead");
