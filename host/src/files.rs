@@ -3,6 +3,8 @@
 //! take all memory or never end. These reads stop one byte past the ceiling and say so.
 
 use std::io::{BufRead, Read};
+
+use anyhow::Context;
 use std::path::Path;
 
 /// Text a person writes: config files, JSON Schemas, grammars, a model's JSON configs.
@@ -67,6 +69,24 @@ impl<R: std::io::BufRead> Iterator for BoundedLines<R> {
     fn next(&mut self) -> Option<Self::Item> {
         self.next_line().transpose()
     }
+}
+
+/// The JSON values of `path`'s non-blank lines (each at most [`LINE_MAX`] bytes); errors name
+/// the file and line, `what` the kind of line expected ("a task").
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    what: &str,
+) -> anyhow::Result<Vec<T>> {
+    BoundedLines::open(path)
+        .with_context(|| format!("opening {}", path.display()))?
+        .enumerate()
+        .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
+        .map(|(i, l)| {
+            let at = || format!("{}:{}", path.display(), i + 1);
+            let l = l.with_context(|| format!("reading {}", at()))?;
+            serde_json::from_str(&l).with_context(|| format!("{}: not {what}", at()))
+        })
+        .collect()
 }
 
 /// Reads `path` whole, refusing more than `max` bytes with an `InvalidData` error that gives

@@ -13,18 +13,9 @@ use super::record::BenchRecord;
 pub fn read_records(paths: &[impl AsRef<Path>]) -> Result<Vec<BenchRecord>, String> {
     let mut out = Vec::new();
     for p in paths {
-        let p = p.as_ref();
-        let lines =
-            crate::files::BoundedLines::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
-        for (i, line) in lines.enumerate() {
-            let line = line.map_err(|e| format!("{}:{}: {e}", p.display(), i + 1))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            let r: BenchRecord = serde_json::from_str(&line)
-                .map_err(|e| format!("{}:{}: not a bench record: {e}", p.display(), i + 1))?;
-            out.push(r);
-        }
+        let records: Vec<BenchRecord> =
+            crate::files::read_jsonl(p.as_ref(), "a bench record").map_err(|e| format!("{e:#}"))?;
+        out.extend(records);
     }
     Ok(out)
 }

@@ -67,24 +67,6 @@ fn device(threads: Option<usize>) -> Device {
     threads.map_or_else(Device::cpu_all, |threads| Device::Cpu { threads })
 }
 
-/// The JSON values of `path`'s non-blank lines (each at most `files::LINE_MAX` bytes); errors
-/// name the file and line, `what` the kind of line expected.
-fn read_jsonl<T: serde::de::DeserializeOwned>(
-    path: &std::path::Path,
-    what: &str,
-) -> anyhow::Result<Vec<T>> {
-    crate::files::BoundedLines::open(path)
-        .with_context(|| format!("opening {}", path.display()))?
-        .enumerate()
-        .filter(|(_, l)| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
-        .map(|(i, l)| {
-            let at = || format!("{}:{}", path.display(), i + 1);
-            let l = l.with_context(|| format!("reading {}", at()))?;
-            serde_json::from_str(&l).with_context(|| format!("{}: not {what}", at()))
-        })
-        .collect()
-}
-
 pub fn run(a: EvalArgs) -> anyhow::Result<()> {
     match a.command {
         EvalCommand::Generate {
@@ -105,7 +87,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
                 bail!("--questions {questions}: at most {MAX_SAMPLES}");
             }
             let tasks = match tasks {
-                Some(p) => read_jsonl::<Task>(&p, "a task")?,
+                Some(p) => crate::files::read_jsonl::<Task>(&p, "a task")?,
                 None => arithmetic_tasks(questions, seed),
             };
             if tasks.is_empty() || k == 0 {
@@ -177,7 +159,7 @@ pub fn run(a: EvalArgs) -> anyhow::Result<()> {
             Ok(())
         }
         EvalCommand::Score { samples } => {
-            let parsed: Vec<Sample> = read_jsonl(&samples, "a sample")?;
+            let parsed: Vec<Sample> = crate::files::read_jsonl(&samples, "a sample")?;
             let r = score_samples(&parsed).context("the samples file is empty")?;
             println!("{}", serde_json::to_string(&r)?);
             eprintln!(
